@@ -1,0 +1,298 @@
+"""``s2_attention``: the one public entry point. Validates, resolves the sparsity, unpads, and dispatches.
+
+Backends (``torch_impl.s2_attention_torch`` and ``triton_impl.s2_attention_triton``) share one contract::
+
+    out, lse = backend(q, k, v, layout, scale, varlen)
+    # q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] (any strides); varlen: B == 1 and ``varlen`` holds cu_seqlens
+    # out [B, Hq, Tq, D] in q's dtype, lse [B, Hq, Tq] float32 (float64 for float64 inputs; natural log, -inf
+    # for rows that see nothing)
+
+Both are differentiable in q, k, v (and through lse). Queries are bottom-right aligned per sequence.
+Only torch is imported here: Triton is imported on first use, so this file also runs where Triton is absent.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .pattern import S2Pattern, check_block_size
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: PyTorch path only
+BACKENDS = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """The resolved sparsity of one call.
+
+    ``block_mask`` is ``bool [P, M, N]`` over absolute blocks (row ``i`` = query block ``i`` counted from the
+    sequence's first token), on the inputs' device, with ``M, N >= cdiv(max_seqlen_k, block_size)``. Query head
+    ``hq`` reads pattern head ``hq // (Hq // P)`` and KV head ``hq // (Hq // Hkv)``. ``cache_key`` is a hashable
+    identity when the mask was derived from an ``S2Pattern`` (backends may then cache block lists built from it);
+    ``None`` for user-supplied masks, which are never cached.
+    """
+
+    block_mask: torch.Tensor
+    block_size: int
+    causal: bool
+    cache_key: tuple | None
+
+    @property
+    def num_pattern_heads(self) -> int:
+        return self.block_mask.shape[0]
+
+
+@dataclass(frozen=True)
+class Varlen:
+    """Packed sequences: sequence ``b`` owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q (likewise k/v)."""
+
+    cu_seqlens_q: torch.Tensor  # int32 [S + 1], on the inputs' device
+    cu_seqlens_k: torch.Tensor  # int32 [S + 1]
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens_q.numel() - 1
+
+
+def s2_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pattern: S2Pattern | None = None,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+    block_mask: torch.Tensor | None = None,
+    block_size: int | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+):
+    """Block-sparse S2 attention.
+
+    Args:
+        q: ``[B, Hq, Tq, D]``. k, v: ``[B, Hkv, Tk, D]`` with ``Hq % Hkv == 0`` (GQA is native: no copies).
+            fp16, bf16 or fp32 (float64 on the PyTorch path), one dtype and device for all three; ``D`` in 16..256, a multiple of 16. Any strides.
+        pattern: an ``S2Pattern``; pattern heads are KV heads (``per_query_head=False``) or query heads.
+        causal: causal (default) or bidirectional. Queries are bottom-right aligned: query ``t`` sits at absolute
+            position ``Tk - Tq + t`` (decode, chunked prefill), so ``Tq <= Tk`` is required.
+        scale: softmax scale, default ``D ** -0.5``.
+        backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"triton"`` (on CPU only with ``TRITON_INTERPRET=1``)
+            or ``"torch"`` (exact, sparse, autograd-capable PyTorch path).
+        return_lse: also return the row log-sum-exp ``[B, Hq, Tq]`` (float32, float64 for float64; natural log).
+        block_mask: instead of ``pattern``, any per-head mask ``bool [P, M, N]`` (or ``[M, N]``) over absolute
+            blocks of ``block_size`` tokens; ``P`` divides ``Hq``; ``M, N >= cdiv(Tk, block_size)``.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: packed variable-length batch as in flash-attn's
+            varlen API, with ``B == 1``: q ``[1, Hq, total_q, D]``. The pattern restarts at each sequence's start.
+        attention_mask: ``[B, Tk]`` key padding mask (1/True = real token), left or right padded; the pattern is
+            anchored at each sequence's first real token. Rows of padded queries return 0 (and lse ``-inf``).
+
+    Returns:
+        ``out [B, Hq, Tq, D]``, or ``(out, lse)`` with ``return_lse=True``.
+
+    The kept blocks of pattern head ``h``, query block ``i``, key block ``j`` (see ``S2Pattern``)::
+
+        causal:      j <= i  and  (i - j < local_blocks  or  (j + h * step + head_sliding_offset) % vert_stride == 0)
+        bidirectional:        |i - j| < local_blocks  or  (j + h * step + head_sliding_offset) % vert_stride == 0
+    """
+    _check_tensors(q, k, v)
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool, got {causal!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    scale = _check_scale(scale, q.shape[-1])
+
+    if attention_mask is not None and cu_seqlens_q is not None:
+        raise ValueError("pass either attention_mask (padded batch) or cu_seqlens_q/cu_seqlens_k (packed), not both")
+    varlen = None
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        varlen = _check_varlen(q, k, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    elif q.shape[2] > k.shape[2]:
+        raise ValueError(
+            f"the query length Tq={q.shape[2]} must be <= the key length Tk={k.shape[2]} (queries are bottom-right "
+            "aligned to the keys)"
+        )
+    max_seqlen_k = varlen.max_seqlen_k if varlen is not None else k.shape[2]
+    layout = _resolve_layout(q, k, pattern, block_mask, block_size, causal, max_seqlen_k)
+    run = _select_backend(backend, q)
+
+    if attention_mask is not None:
+        out, lse = _run_padded(run, q, k, v, layout, scale, attention_mask)
+    else:
+        out, lse = run(q, k, v, layout, scale, varlen)
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------- validation
+def _check_tensors(q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor [B, H, T, D], got {getattr(t, 'shape', type(t))}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    d = q.shape[-1]
+    if k.shape[-1] != d or v.shape[-1] != d:
+        raise ValueError(f"head dims of q, k, v must be equal, got {d}, {k.shape[-1]}, {v.shape[-1]}")
+    if d < 16 or d > 256 or d % 16:
+        raise ValueError(f"head dim D must be a multiple of 16 in [16, 256], got {d}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"the query heads Hq={hq} must be a multiple of the KV heads Hkv={hkv}")
+
+
+def _check_scale(scale, head_dim):
+    if scale is None:
+        return head_dim**-0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite positive number, got {scale!r}")
+    return float(scale)
+
+
+def _check_varlen(q, k, causal, cu_q, cu_k, max_q, max_k) -> Varlen:
+    if cu_q is None or cu_k is None:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+    if q.shape[0] != 1:
+        raise ValueError(f"packed (cu_seqlens) inputs must have batch size 1, got B={q.shape[0]}")
+    checked = []
+    for name, cu, total in (("cu_seqlens_q", cu_q, q.shape[2]), ("cu_seqlens_k", cu_k, k.shape[2])):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be a 1-D int32/int64 tensor of S + 1 >= 2 offsets, got {cu!r}")
+        host = cu.tolist()
+        if host[0] != 0 or host[-1] != total or any(b < a for a, b in zip(host, host[1:])):
+            raise ValueError(f"{name} must start at 0, never decrease, and end at the packed length {total}; got {host}")
+        checked.append(host)
+    host_q, host_k = checked
+    if len(host_q) != len(host_k):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got {len(host_q)} and {len(host_k)}")
+    lens_q = [b - a for a, b in zip(host_q, host_q[1:])]
+    lens_k = [b - a for a, b in zip(host_k, host_k[1:])]
+    for s, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        if lq > lk:
+            raise ValueError(f"sequence {s}: query length {lq} must be <= key length {lk} (bottom-right aligned)")
+    actual_q, actual_k = max(lens_q), max(lens_k)
+    for name, given, actual in (("max_seqlen_q", max_q, actual_q), ("max_seqlen_k", max_k, actual_k)):
+        if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < actual):
+            raise ValueError(f"{name} must be an int >= the longest sequence ({actual}), got {given!r}")
+    device = q.device
+    return Varlen(
+        cu_seqlens_q=cu_q.to(device=device, dtype=torch.int32),
+        cu_seqlens_k=cu_k.to(device=device, dtype=torch.int32),
+        max_seqlen_q=actual_q,
+        max_seqlen_k=actual_k,
+    )
+
+
+def _resolve_layout(q, k, pattern, block_mask, block_size, causal, max_seqlen_k) -> BlockLayout:
+    hq, hkv = q.shape[1], k.shape[1]
+    if (pattern is None) == (block_mask is None):
+        raise ValueError("pass exactly one of pattern (an S2Pattern) or block_mask (with block_size)")
+    if pattern is not None:
+        if not isinstance(pattern, S2Pattern):
+            raise ValueError(f"pattern must be an S2Pattern, got {type(pattern).__name__}")
+        if block_size is not None and block_size != pattern.block_size:
+            raise ValueError(f"block_size={block_size} contradicts pattern.block_size={pattern.block_size}")
+        num_heads = pattern.num_pattern_heads(hq, hkv)
+        n = max(1, -(-max_seqlen_k // pattern.block_size))
+        mask = pattern.block_mask(num_heads, n, n, causal, device=q.device)
+        return BlockLayout(mask, pattern.block_size, causal, (pattern, num_heads, n, causal, str(q.device)))
+
+    check_block_size(block_size)
+    if not isinstance(block_mask, torch.Tensor) or block_mask.dtype != torch.bool or block_mask.dim() not in (2, 3):
+        raise ValueError(f"block_mask must be a bool tensor [P, M, N] or [M, N], got {getattr(block_mask, 'shape', block_mask)!r}")
+    if block_mask.dim() == 2:
+        block_mask = block_mask[None]
+    p, m, n = block_mask.shape
+    need = -(-max_seqlen_k // block_size)
+    if p < 1 or hq % p:
+        raise ValueError(f"block_mask has P={p} pattern heads; P must divide the query heads Hq={hq}")
+    if m < need or n < need:
+        raise ValueError(
+            f"block_mask of shape {tuple(block_mask.shape)} does not fit: M and N must be >= cdiv(Tk, block_size) = {need}"
+        )
+    if block_mask.device != q.device:
+        raise ValueError(f"block_mask must be on the device of q ({q.device}), got {block_mask.device}")
+    return BlockLayout(block_mask, block_size, causal, None)
+
+
+def _select_backend(backend: str, q: torch.Tensor):
+    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
+    if not use_triton:
+        from .torch_impl import s2_attention_torch
+
+        return s2_attention_torch
+    if q.dtype == torch.float64:
+        raise ValueError('backend="triton" supports float16, bfloat16 and float32; float64 runs on backend="torch"')
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError('backend="triton" needs CUDA tensors (or TRITON_INTERPRET=1 to interpret on the CPU)')
+    try:
+        from .triton_impl import s2_attention_triton
+    except ImportError as e:  # no Triton on this machine
+        raise ValueError(f'backend="triton" needs Triton, which failed to import: {e}') from e
+    return s2_attention_triton
+
+
+# ---------------------------------------------------------------------------------------------- padding
+def padding_to_varlen(attention_mask: torch.Tensor, q_len: int):
+    """Turn a ``[B, Tk]`` left- or right-padding mask into packing indices.
+
+    Returns ``(q_index, k_index, varlen)``: flat indices into ``[B * Tq]`` / ``[B * Tk]`` of the real query and key
+    rows, and the ``Varlen`` of the packed batch. Query ``t`` of row ``b`` is the token at index ``Tk - Tq + t``;
+    it is real iff that key is. Raises ``ValueError`` for masks whose real tokens are not one contiguous run.
+    """
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must be a [B, Tk] tensor, got {getattr(attention_mask, 'shape', attention_mask)!r}")
+    real = attention_mask.bool()
+    b, tk = real.shape
+    counts = real.sum(-1)
+    first = torch.where(counts > 0, real.int().argmax(-1), torch.zeros_like(counts))
+    pos = torch.arange(tk, device=real.device)
+    contiguous = (pos >= first[:, None]) & (pos < (first + counts)[:, None])
+    if not torch.equal(contiguous, real):
+        raise ValueError("attention_mask must hold one contiguous run of real tokens per row (left or right padding)")
+    real_q = real[:, tk - q_len :]
+    k_index = real.flatten().nonzero().squeeze(-1)
+    q_index = real_q.flatten().nonzero().squeeze(-1)
+    zero = torch.zeros(1, dtype=torch.int32, device=real.device)
+    lens_q, lens_k = real_q.sum(-1), counts
+    varlen = Varlen(
+        cu_seqlens_q=torch.cat([zero, lens_q.cumsum(0).int()]),
+        cu_seqlens_k=torch.cat([zero, lens_k.cumsum(0).int()]),
+        max_seqlen_q=int(lens_q.max()),
+        max_seqlen_k=int(lens_k.max()),
+    )
+    return q_index, k_index, varlen
+
+
+def _run_padded(run, q, k, v, layout, scale, attention_mask):
+    b, hq, tq, d = q.shape
+    tk = k.shape[2]
+    if attention_mask.shape != (b, tk):
+        raise ValueError(f"attention_mask must have shape [B, Tk] = {[b, tk]}, got {list(attention_mask.shape)}")
+    q_index, k_index, varlen = padding_to_varlen(attention_mask.to(q.device), tq)
+
+    def pack(x, index):  # [B, H, T, D] -> [1, H, n, D]
+        return x.transpose(1, 2).flatten(0, 1)[index].transpose(0, 1).unsqueeze(0)
+
+    out_packed, lse_packed = run(pack(q, q_index), pack(k, k_index), pack(v, k_index), layout, scale, varlen)
+    out = q.new_zeros(b * tq, hq, d).index_copy(0, q_index, out_packed[0].transpose(0, 1))
+    lse = torch.full((b * tq, hq), -math.inf, device=q.device, dtype=lse_packed.dtype)
+    lse = lse.index_copy(0, q_index, lse_packed[0].transpose(0, 1))
+    return out.view(b, tq, hq, d).transpose(1, 2), lse.view(b, tq, hq).transpose(1, 2)
