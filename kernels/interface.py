@@ -82,7 +82,8 @@ def s2_attention(
 
     Args:
         q: ``[B, Hq, Tq, D]``. k, v: ``[B, Hkv, Tk, D]`` with ``Hq % Hkv == 0`` (GQA is native: no copies).
-            fp16, bf16 or fp32 (float64 on the PyTorch path), one dtype and device for all three; ``D`` in 16..256, a multiple of 16. Any strides.
+            fp16, bf16 or fp32 (float64 on the PyTorch path), one dtype and device for all three; ``D`` in 16..256,
+            a multiple of 16. Any strides.
         pattern: an ``S2Pattern``; pattern heads are KV heads (``per_query_head=False``) or query heads.
         causal: causal (default) or bidirectional. Queries are bottom-right aligned: query ``t`` sits at absolute
             position ``Tk - Tq + t`` (decode, chunked prefill), so ``Tq <= Tk`` is required.
@@ -173,15 +174,20 @@ def _check_varlen(q, k, causal, cu_q, cu_k, max_q, max_k) -> Varlen:
         raise ValueError(f"packed (cu_seqlens) inputs must have batch size 1, got B={q.shape[0]}")
     checked = []
     for name, cu, total in (("cu_seqlens_q", cu_q, q.shape[2]), ("cu_seqlens_k", cu_k, k.shape[2])):
-        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype not in (torch.int32, torch.int64):
+        is_offsets = isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.dtype in (torch.int32, torch.int64)
+        if not is_offsets or cu.numel() < 2:
             raise ValueError(f"{name} must be a 1-D int32/int64 tensor of S + 1 >= 2 offsets, got {cu!r}")
         host = cu.tolist()
         if host[0] != 0 or host[-1] != total or any(b < a for a, b in zip(host, host[1:])):
-            raise ValueError(f"{name} must start at 0, never decrease, and end at the packed length {total}; got {host}")
+            raise ValueError(
+                f"{name} must start at 0, never decrease, and end at the packed length {total}; got {host}"
+            )
         checked.append(host)
     host_q, host_k = checked
     if len(host_q) != len(host_k):
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got {len(host_q)} and {len(host_k)}")
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length, got {len(host_q)} and {len(host_k)}"
+        )
     lens_q = [b - a for a, b in zip(host_q, host_q[1:])]
     lens_k = [b - a for a, b in zip(host_k, host_k[1:])]
     for s, (lq, lk) in enumerate(zip(lens_q, lens_k)):
@@ -216,7 +222,8 @@ def _resolve_layout(q, k, pattern, block_mask, block_size, causal, max_seqlen_k)
 
     check_block_size(block_size)
     if not isinstance(block_mask, torch.Tensor) or block_mask.dtype != torch.bool or block_mask.dim() not in (2, 3):
-        raise ValueError(f"block_mask must be a bool tensor [P, M, N] or [M, N], got {getattr(block_mask, 'shape', block_mask)!r}")
+        got = getattr(block_mask, "shape", block_mask)
+        raise ValueError(f"block_mask must be a bool tensor [P, M, N] or [M, N], got {got!r}")
     if block_mask.dim() == 2:
         block_mask = block_mask[None]
     p, m, n = block_mask.shape
@@ -225,7 +232,8 @@ def _resolve_layout(q, k, pattern, block_mask, block_size, causal, max_seqlen_k)
         raise ValueError(f"block_mask has P={p} pattern heads; P must divide the query heads Hq={hq}")
     if m < need or n < need:
         raise ValueError(
-            f"block_mask of shape {tuple(block_mask.shape)} does not fit: M and N must be >= cdiv(Tk, block_size) = {need}"
+            f"block_mask of shape {tuple(block_mask.shape)} does not fit: "
+            f"M and N must be >= cdiv(Tk, block_size) = {need}"
         )
     if block_mask.device != q.device:
         raise ValueError(f"block_mask must be on the device of q ({q.device}), got {block_mask.device}")
@@ -258,7 +266,8 @@ def padding_to_varlen(attention_mask: torch.Tensor, q_len: int):
     it is real iff that key is. Raises ``ValueError`` for masks whose real tokens are not one contiguous run.
     """
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-        raise ValueError(f"attention_mask must be a [B, Tk] tensor, got {getattr(attention_mask, 'shape', attention_mask)!r}")
+        got = getattr(attention_mask, "shape", attention_mask)
+        raise ValueError(f"attention_mask must be a [B, Tk] tensor, got {got!r}")
     real = attention_mask.bool()
     b, tk = real.shape
     counts = real.sum(-1)

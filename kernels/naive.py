@@ -66,9 +66,10 @@ def _naive_varlen(q, k, v, layout, scale, varlen):
     outs, lses = [], []
     cq, ck = varlen.cu_seqlens_q.tolist(), varlen.cu_seqlens_k.tolist()
     for s in range(len(cq) - 1):
-        o, l = _naive_dense(q[:, :, cq[s] : cq[s + 1]], k[:, :, ck[s] : ck[s + 1]], v[:, :, ck[s] : ck[s + 1]], layout, scale)
-        outs.append(o)
-        lses.append(l)
+        keys = slice(ck[s], ck[s + 1])
+        out, lse = _naive_dense(q[:, :, cq[s] : cq[s + 1]], k[:, :, keys], v[:, :, keys], layout, scale)
+        outs.append(out)
+        lses.append(lse)
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 

@@ -22,7 +22,9 @@ def _check_int(name: str, value, minimum: int) -> None:
 
 def check_block_size(block_size) -> None:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size not in SUPPORTED_BLOCK_SIZES:
-        raise ValueError(f"block_size must be a power of two in [16, 128] (one of {SUPPORTED_BLOCK_SIZES}), got {block_size!r}")
+        raise ValueError(
+            f"block_size must be a power of two in [16, 128] (one of {SUPPORTED_BLOCK_SIZES}), got {block_size!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -127,9 +129,13 @@ class S2Pattern:
     def kept_fraction(self, num_heads: int, seq_len: int, causal: bool = True) -> float:
         """Fraction of the (causal) token pairs of a ``seq_len`` sequence that the pattern computes."""
         n = -(-seq_len // self.block_size)
-        kept = token_mask(self.block_mask(num_heads, n, n, causal), self.block_size, seq_len, seq_len, causal)
-        full = token_mask(torch.ones(1, n, n, dtype=torch.bool), self.block_size, seq_len, seq_len, causal)
-        return kept.sum().item() / (full.sum().item() * num_heads)
+        sizes = torch.full((n,), self.block_size, dtype=torch.float64)
+        sizes[-1] = seq_len - (n - 1) * self.block_size
+        pairs = sizes[:, None] * sizes[None, :]  # [M, N] token pairs of each block pair
+        if causal:
+            pairs = pairs.tril(-1) + torch.diag(sizes * (sizes + 1) / 2)
+        kept = (self.block_mask(num_heads, n, n, causal).double() * pairs).sum()
+        return (kept / (pairs.sum() * num_heads)).item()
 
 
 @functools.lru_cache(maxsize=64)

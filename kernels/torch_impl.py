@@ -59,7 +59,8 @@ def _attend(q, k, v, layout: BlockLayout, scale: float):
     k_blocks, v_blocks = blocks(k), blocks(v)
     # [B, U, Mq, G * bs, D]: query rows of each query block, the unit's group stacked along rows
     q_rows = torch.nn.functional.pad(q, (0, 0, q_offset, num_q_blocks * bs - tq - q_offset)).to(compute_dtype)
-    q_rows = q_rows.view(b, units, group, num_q_blocks, bs, d).transpose(2, 3).reshape(b, units, num_q_blocks, group * bs, d)
+    q_rows = q_rows.view(b, units, group, num_q_blocks, bs, d).transpose(2, 3)
+    q_rows = q_rows.reshape(b, units, num_q_blocks, group * bs, d)
 
     kept = layout.block_mask[pattern_head_of_unit][:, first_q_block:num_kv_blocks, :num_kv_blocks]  # [U, Mq, N]
     row_pos = (first_q_block * bs + torch.arange(num_q_blocks * bs, device=q.device)).view(num_q_blocks, 1, bs)
