@@ -1,0 +1,768 @@
+"""Triton S2-Attention: block-sparse FlashAttention-2 forward and a deterministic two-kernel backward.
+
+Entry point ``s2_attention_triton(q, k, v, layout, scale, varlen) -> (out, lse)``, per the backend contract in
+``interface.py``. Call chain (as in flash-linear-attention): ``s2_attention_fwd_kernel`` -> ``s2_attention_fwd`` ->
+``S2AttentionFunction`` -> ``s2_attention_triton``; backward: ``s2_attention_bwd_preprocess_kernel`` (delta),
+``s2_attention_bwd_dq_kernel`` and ``s2_attention_bwd_dkdv_kernel`` -> ``s2_attention_bwd``.
+
+Kernel tiles are decoupled from the sparsity granularity ``block_size``:
+
+* Positions are absolute within a sequence (key ``s`` at ``s``, query ``t`` at ``Tk - Tq + t``). A *resident* tile
+  (the query tile of the forward and dq kernels, the key tile of the dk/dv kernel) covers ``tile`` consecutive
+  positions; it may span several sparse blocks (Merge-Q) or a part of one.
+* The other side is visited in *units* of ``unit = min(block_size, tile of that side)`` consecutive positions.
+  One iteration gathers ``tile // unit`` kept units (each unit's rows contiguous), so a vertical stripe of 16-token
+  blocks fills a 64-wide tile instead of wasting 3/4 of it.
+* Per (pattern head, resident tile) a list holds the kept units, first the *full* ones (kept by every sparse block
+  of the resident tile and entirely on the visible side of the causal diagonal: no score masking at all), then the
+  *partial* ones (block-mask lookup + causal + length masks). The lists are built with torch ops from
+  ``layout.block_mask`` and cached per ``layout.cache_key``; the dk/dv kernel uses the transposed lists.
+
+Numerics: online softmax in base 2 (``log2(e)`` folded into the scale), fp32 accumulation. fp32 inputs use IEEE
+fp32 dots (no TF32), so they are as exact as the PyTorch reference. The backward uses no atomics: dq and dk/dv are
+separate kernels and dk/dv of a KV head reduce its whole query group in registers, so results are bitwise
+reproducible (gradient checkpointing recomputes exactly).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .interface import BlockLayout, Varlen
+
+LOG2E = math.log2(math.e)
+
+
+def _patch_interpreter_loop_bounds() -> None:
+    """Make runtime loop bounds work in Triton's interpreter with NumPy >= 2.4.
+
+    The interpreter (Triton 3.6) holds every scalar as a 1-element array and turns loop bounds into ints with
+    ``int(array)``, which NumPy 2.4 rejects ("only 0-dimensional arrays can be converted"). ``.item()`` works on
+    every NumPy. Only applied under ``TRITON_INTERPRET=1``; compiled kernels are unaffected.
+    """
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "s2_loop_bound_fix", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patch_lang_tensor.s2_loop_bound_fix = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter_loop_bounds()
+
+
+# ============================================================================================== kernels
+@triton.jit
+def _sequence_bounds(cu_seqlens_q, cu_seqlens_k, seq, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
+    """First q row, first k row, query length and key length of sequence (or batch row) ``seq``."""
+    if IS_VARLEN:
+        q_start = tl.load(cu_seqlens_q + seq)
+        k_start = tl.load(cu_seqlens_k + seq)
+        seqlen_q = tl.load(cu_seqlens_q + seq + 1) - q_start
+        seqlen_k = tl.load(cu_seqlens_k + seq + 1) - k_start
+    else:
+        q_start = 0
+        k_start = 0
+    return q_start, k_start, seqlen_q, seqlen_k
+
+
+@triton.jit
+def _gather_positions(list_base, entry, num_entries, BLOCK: tl.constexpr, UNIT: tl.constexpr):
+    """Absolute positions ``[BLOCK]`` of the ``BLOCK // UNIT`` list entries from ``entry`` on, and which are listed."""
+    offs = tl.arange(0, BLOCK)
+    index = entry + offs // UNIT
+    listed = index < num_entries
+    unit = tl.load(list_base + index, mask=listed, other=0)
+    return unit * UNIT + offs % UNIT, listed
+
+
+@triton.jit
+def _visible(mask_head, q_pos, k_pos, valid, stride_mm, stride_mn, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr):
+    """Token visibility for broadcastable 2-D ``q_pos``/``k_pos``: block mask & causal & ``valid`` (both real)."""
+    kept_ptrs = mask_head + (q_pos // BLOCK_SIZE) * stride_mm + (k_pos // BLOCK_SIZE) * stride_mn
+    kept = tl.load(kept_ptrs, mask=valid, other=0)
+    visible = valid & (kept != 0)
+    if CAUSAL:
+        visible = visible & (k_pos <= q_pos)
+    return visible
+
+
+@triton.jit
+def _load_rows(base, rows, row_ok, stride_t, stride_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Load ``[len(rows), BLOCK_D]`` (zero for rows not ok and for the D padding)."""
+    d = tl.arange(0, BLOCK_D)
+    ptrs = base + rows.to(tl.int64)[:, None] * stride_t + d[None, :] * stride_d
+    return tl.load(ptrs, mask=row_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+
+
+@triton.jit
+def _store_rows(base, value, rows, row_ok, stride_t, stride_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    d = tl.arange(0, BLOCK_D)
+    ptrs = base + rows.to(tl.int64)[:, None] * stride_t + d[None, :] * stride_d
+    tl.store(ptrs, value.to(base.dtype.element_ty), mask=row_ok[:, None] & (d < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _fwd_step(
+    acc, m_i, l_i, q_tile, q_pos, k_head, v_head, mask_head, list_base, entry, num_entries, k_start, seqlen_k,
+    stride_kt, stride_kd, stride_vt, stride_vd, stride_mm, stride_mn, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    UNIT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax update of the query tile with a gathered tile of ``BLOCK_N`` keys."""
+    k_pos, listed = _gather_positions(list_base, entry, num_entries, BLOCK_N, UNIT)
+    key_real = listed & (k_pos < seqlen_k)
+    # [BLOCK_N, BLOCK_D]
+    k_tile = _load_rows(k_head, k_start + k_pos, key_real, stride_kt, stride_kd, HEAD_DIM, BLOCK_D)
+    s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+    if MASKED:
+        valid = (q_pos[:, None] < seqlen_k) & key_real[None, :]
+        visible = _visible(mask_head, q_pos[:, None], k_pos[None, :], valid, stride_mm, stride_mn, BLOCK_SIZE, CAUSAL)
+        s = tl.where(visible, s, -float("inf"))
+    elif not CAUSAL:
+        # A full entry of a bidirectional pattern may run past the end of a short (varlen) sequence.
+        s = tl.where(key_real[None, :], s, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that saw nothing yet: avoid inf - inf
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_tile = _load_rows(v_head, k_start + k_pos, key_real, stride_vt, stride_vd, HEAD_DIM, BLOCK_D)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def s2_attention_fwd_kernel(
+    q, k, v, out, lse,  # [B, Hq, Tq, D], [B, Hkv, Tk, D], [B, Hkv, Tk, D], [B, Hq, Tq, D], [B, Hq, Tq] float32
+    block_mask,  # uint8 [P, M, N]
+    unit_lists, unit_counts,  # int32 [P, num_q_tiles, L] kept key units; int32 [P, num_q_tiles, 2] (full, total)
+    cu_seqlens_q, cu_seqlens_k,  # int32 [S + 1], read only when IS_VARLEN
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_ob, stride_oh, stride_ot, stride_od,
+    stride_lb, stride_lh, stride_lt,
+    stride_mp, stride_mm, stride_mn,
+    stride_up, stride_ut, stride_cp, stride_ct,
+    seqlen_q, seqlen_k, qk_scale, q_heads_per_pattern, q_heads_per_kv,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, UNIT: tl.constexpr, CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(num_q_tiles, Hq, B or S)``; program = one query tile of ``BLOCK_M`` absolute positions of one head.
+
+    ``qk_scale = scale * log2(e)``. Batch strides are 0 when IS_VARLEN (B == 1; rows start at ``cu_seqlens``).
+    """
+    q_head = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start, k_start, seqlen_q, seqlen_k = _sequence_bounds(
+        cu_seqlens_q, cu_seqlens_k, seq, seqlen_q, seqlen_k, IS_VARLEN
+    )
+    first_pos = seqlen_k - seqlen_q  # bottom-right alignment: absolute position of query row 0
+    # Heaviest (latest) tiles first: they are scheduled first, which shortens the tail of the launch.
+    tile = first_pos // BLOCK_M + tl.num_programs(0) - 1 - tl.program_id(0)
+    if seqlen_q == 0 or tile * BLOCK_M >= seqlen_k:
+        return
+    pattern_head = q_head // q_heads_per_pattern
+    kv_head = q_head // q_heads_per_kv
+
+    q_pos = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] absolute positions
+    row_real = (q_pos >= first_pos) & (q_pos < seqlen_k)
+    rows = q_start + q_pos - first_pos
+    q_head_base = q + seq.to(tl.int64) * stride_qb + q_head.to(tl.int64) * stride_qh
+    q_tile = _load_rows(q_head_base, rows, row_real, stride_qt, stride_qd, HEAD_DIM, BLOCK_D)  # [BLOCK_M, BLOCK_D]
+    k_head = k + seq.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_head = v + seq.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    mask_head = block_mask + pattern_head.to(tl.int64) * stride_mp
+    list_base = unit_lists + pattern_head.to(tl.int64) * stride_up + tile.to(tl.int64) * stride_ut
+    count_base = unit_counts + pattern_head.to(tl.int64) * stride_cp + tile.to(tl.int64) * stride_ct
+    num_full = tl.load(count_base)
+    num_entries = tl.load(count_base + 1)
+
+    m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    GROUP: tl.constexpr = BLOCK_N // UNIT
+    for entry in range(0, num_full, GROUP):
+        acc, m_i, l_i = _fwd_step(
+            acc, m_i, l_i, q_tile, q_pos, k_head, v_head, mask_head, list_base, entry, num_entries, k_start, seqlen_k,
+            stride_kt, stride_kd, stride_vt, stride_vd, stride_mm, stride_mn, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UNIT, CAUSAL, False, DOT_PRECISION,
+        )
+    for entry in range(num_full, num_entries, GROUP):
+        acc, m_i, l_i = _fwd_step(
+            acc, m_i, l_i, q_tile, q_pos, k_head, v_head, mask_head, list_base, entry, num_entries, k_start, seqlen_k,
+            stride_kt, stride_kd, stride_vt, stride_vd, stride_mm, stride_mn, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UNIT, CAUSAL, True, DOT_PRECISION,
+        )
+
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out_head = out + seq.to(tl.int64) * stride_ob + q_head.to(tl.int64) * stride_oh
+    _store_rows(out_head, acc / l_safe[:, None], rows, row_real, stride_ot, stride_od, HEAD_DIM, BLOCK_D)
+    lse_row = tl.where(seen, (m_i + tl.math.log2(l_safe)) / 1.4426950408889634, -float("inf"))  # natural log
+    lse_head = lse + seq.to(tl.int64) * stride_lb + q_head.to(tl.int64) * stride_lh
+    tl.store(lse_head + rows.to(tl.int64) * stride_lt, lse_row, mask=row_real)
+
+
+@triton.jit
+def s2_attention_bwd_preprocess_kernel(
+    out, dout, dlse, delta,  # [B, H, T, D] x2, [B, H, T] float32 (read only when HAS_DLSE), [B, H, T] float32 out
+    stride_ob, stride_oh, stride_ot, stride_od,
+    stride_gb, stride_gh, stride_gt, stride_gd,
+    stride_lb, stride_lh, stride_lt,
+    seqlen, num_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    """``delta = rowsum(dO * O) - dlse`` (the lse gradient enters the softmax backward exactly like -delta)."""
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < seqlen
+    out_head = out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+    dout_head = dout + batch.to(tl.int64) * stride_gb + head.to(tl.int64) * stride_gh
+    o = _load_rows(out_head, rows, row_ok, stride_ot, stride_od, HEAD_DIM, BLOCK_D)
+    do = _load_rows(dout_head, rows, row_ok, stride_gt, stride_gd, HEAD_DIM, BLOCK_D)
+    row_delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        dlse_head = dlse + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
+        row_delta -= tl.load(dlse_head + rows.to(tl.int64) * stride_lt, mask=row_ok, other=0.0)
+    # delta is allocated contiguous [B, H, T].
+    tl.store(delta + (batch.to(tl.int64) * num_heads + head) * seqlen + rows, row_delta, mask=row_ok)
+
+
+@triton.jit
+def _load_softmax_stats(lse_head, delta_head, rows, row_ok, stride_lt):
+    """Per query row: lse in log2 units (``+inf`` for rows that are not real or see no key, so p = 0) and delta."""
+    lse_row = tl.load(lse_head + rows.to(tl.int64) * stride_lt, mask=row_ok, other=float("inf"))
+    lse_row = tl.where(lse_row == -float("inf"), float("inf"), lse_row) * 1.4426950408889634
+    delta_row = tl.load(delta_head + rows, mask=row_ok, other=0.0)
+    return lse_row, delta_row
+
+
+@triton.jit
+def _bwd_dq_step(
+    dq, q_tile, do_tile, lse_row, delta_row, q_pos, k_head, v_head, mask_head, list_base, entry, num_entries,
+    k_start, seqlen_k, stride_kt, stride_kd, stride_vt, stride_vd, stride_mm, stride_mn, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    UNIT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate ``dS @ K`` (unscaled) of the query tile against a gathered tile of ``BLOCK_N`` keys."""
+    k_pos, listed = _gather_positions(list_base, entry, num_entries, BLOCK_N, UNIT)
+    key_real = listed & (k_pos < seqlen_k)
+    # [BLOCK_N, BLOCK_D]
+    k_tile = _load_rows(k_head, k_start + k_pos, key_real, stride_kt, stride_kd, HEAD_DIM, BLOCK_D)
+    v_tile = _load_rows(v_head, k_start + k_pos, key_real, stride_vt, stride_vd, HEAD_DIM, BLOCK_D)
+    s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    p = tl.math.exp2(s - lse_row[:, None])
+    if MASKED:
+        valid = (q_pos[:, None] < seqlen_k) & key_real[None, :]
+        visible = _visible(mask_head, q_pos[:, None], k_pos[None, :], valid, stride_mm, stride_mn, BLOCK_SIZE, CAUSAL)
+        p = tl.where(visible, p, 0.0)
+    elif not CAUSAL:
+        p = tl.where(key_real[None, :], p, 0.0)
+    dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=DOT_PRECISION)
+    ds = p * (dp - delta_row[:, None])
+    return dq + tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def s2_attention_bwd_dq_kernel(
+    q, k, v, dout, lse, delta, dq,  # q/dout/dq [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], lse [B, Hq, Tq], delta contiguous
+    block_mask, unit_lists, unit_counts, cu_seqlens_q, cu_seqlens_k,  # as in s2_attention_fwd_kernel
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_gb, stride_gh, stride_gt, stride_gd,  # dout
+    stride_dqb, stride_dqh, stride_dqt, stride_dqd,
+    stride_lb, stride_lh, stride_lt,
+    stride_mp, stride_mm, stride_mn,
+    stride_up, stride_ut, stride_cp, stride_ct,
+    seqlen_q, seqlen_k, stride_db, stride_dh, scale, qk_scale, q_heads_per_pattern, q_heads_per_kv,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, UNIT: tl.constexpr, CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(num_q_tiles, Hq, B or S)``: dq of one query tile over its kept keys (same lists as the forward)."""
+    q_head = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start, k_start, seqlen_q, seqlen_k = _sequence_bounds(
+        cu_seqlens_q, cu_seqlens_k, seq, seqlen_q, seqlen_k, IS_VARLEN
+    )
+    first_pos = seqlen_k - seqlen_q
+    tile = first_pos // BLOCK_M + tl.num_programs(0) - 1 - tl.program_id(0)
+    if seqlen_q == 0 or tile * BLOCK_M >= seqlen_k:
+        return
+    pattern_head = q_head // q_heads_per_pattern
+    kv_head = q_head // q_heads_per_kv
+
+    q_pos = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_real = (q_pos >= first_pos) & (q_pos < seqlen_k)
+    rows = q_start + q_pos - first_pos
+    q_head_base = q + seq.to(tl.int64) * stride_qb + q_head.to(tl.int64) * stride_qh
+    do_head_base = dout + seq.to(tl.int64) * stride_gb + q_head.to(tl.int64) * stride_gh
+    q_tile = _load_rows(q_head_base, rows, row_real, stride_qt, stride_qd, HEAD_DIM, BLOCK_D)  # [BLOCK_M, BLOCK_D]
+    do_tile = _load_rows(do_head_base, rows, row_real, stride_gt, stride_gd, HEAD_DIM, BLOCK_D)
+    lse_row, delta_row = _load_softmax_stats(
+        lse + seq.to(tl.int64) * stride_lb + q_head.to(tl.int64) * stride_lh,
+        delta + seq.to(tl.int64) * stride_db + q_head.to(tl.int64) * stride_dh, rows, row_real, stride_lt,
+    )
+    k_head = k + seq.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_head = v + seq.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    mask_head = block_mask + pattern_head.to(tl.int64) * stride_mp
+    list_base = unit_lists + pattern_head.to(tl.int64) * stride_up + tile.to(tl.int64) * stride_ut
+    count_base = unit_counts + pattern_head.to(tl.int64) * stride_cp + tile.to(tl.int64) * stride_ct
+    num_full = tl.load(count_base)
+    num_entries = tl.load(count_base + 1)
+
+    dq_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    GROUP: tl.constexpr = BLOCK_N // UNIT
+    for entry in range(0, num_full, GROUP):
+        dq_acc = _bwd_dq_step(
+            dq_acc, q_tile, do_tile, lse_row, delta_row, q_pos, k_head, v_head, mask_head, list_base, entry,
+            num_entries, k_start, seqlen_k, stride_kt, stride_kd, stride_vt, stride_vd, stride_mm, stride_mn, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UNIT, CAUSAL, False, DOT_PRECISION,
+        )
+    for entry in range(num_full, num_entries, GROUP):
+        dq_acc = _bwd_dq_step(
+            dq_acc, q_tile, do_tile, lse_row, delta_row, q_pos, k_head, v_head, mask_head, list_base, entry,
+            num_entries, k_start, seqlen_k, stride_kt, stride_kd, stride_vt, stride_vd, stride_mm, stride_mn, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UNIT, CAUSAL, True, DOT_PRECISION,
+        )
+    dq_head = dq + seq.to(tl.int64) * stride_dqb + q_head.to(tl.int64) * stride_dqh
+    _store_rows(dq_head, dq_acc * scale, rows, row_real, stride_dqt, stride_dqd, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _bwd_dkdv_step(
+    dk, dv, k_tile, v_tile, k_pos, key_real, q_head_base, do_head_base, lse_head, delta_head, mask_head, list_base,
+    entry, num_entries, q_start, first_pos, seqlen_k,
+    stride_qt, stride_qd, stride_gt, stride_gd, stride_lt, stride_mm, stride_mn, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    UNIT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dV and dK (unscaled) of the key tile against a gathered tile of ``BLOCK_M`` queries of one head."""
+    q_pos, listed = _gather_positions(list_base, entry, num_entries, BLOCK_M, UNIT)
+    row_real = listed & (q_pos >= first_pos) & (q_pos < seqlen_k)
+    rows = q_start + q_pos - first_pos
+    q_tile = _load_rows(q_head_base, rows, row_real, stride_qt, stride_qd, HEAD_DIM, BLOCK_D)  # [BLOCK_M, BLOCK_D]
+    do_tile = _load_rows(do_head_base, rows, row_real, stride_gt, stride_gd, HEAD_DIM, BLOCK_D)
+    lse_row, delta_row = _load_softmax_stats(lse_head, delta_head, rows, row_real, stride_lt)
+    s_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+    p_t = tl.math.exp2(s_t - lse_row[None, :])  # rows that are not real have lse = +inf: p = 0
+    if MASKED:
+        valid = key_real[:, None] & row_real[None, :]
+        visible = _visible(mask_head, q_pos[None, :], k_pos[:, None], valid, stride_mm, stride_mn, BLOCK_SIZE, CAUSAL)
+        p_t = tl.where(visible, p_t, 0.0)
+    # (Keys past a short sequence need no mask here: their dk/dv rows are never stored.)
+    dv += tl.dot(p_t.to(do_tile.dtype), do_tile, input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v_tile, tl.trans(do_tile), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+    ds_t = p_t * (dp_t - delta_row[None, :])
+    dk += tl.dot(ds_t.to(q_tile.dtype), q_tile, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def s2_attention_bwd_dkdv_kernel(
+    q, k, v, dout, lse, delta, dk, dv,  # q/dout [B, Hq, Tq, D], k/v/dk/dv [B, Hkv, Tk, D], lse/delta [B, Hq, Tq]
+    block_mask,  # uint8 [P, M, N]
+    unit_lists, unit_counts,  # int32 [P, num_k_tiles, L] query units reading each key tile; [P, num_k_tiles, 2]
+    cu_seqlens_q, cu_seqlens_k,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_gb, stride_gh, stride_gt, stride_gd,  # dout
+    stride_dkb, stride_dkh, stride_dkt, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvt, stride_dvd,
+    stride_lb, stride_lh, stride_lt,
+    stride_mp, stride_mm, stride_mn,
+    stride_up, stride_ut, stride_cp, stride_ct,
+    seqlen_q, seqlen_k, stride_db, stride_dh, scale, qk_scale, q_heads_per_pattern, q_heads_per_kv,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, UNIT: tl.constexpr, CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(num_k_tiles, Hkv, B or S)``: dK, dV of ``BLOCK_N`` keys of one KV head, reduced over its whole query
+    group in registers (GQA without copies or atomics)."""
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start, k_start, seqlen_q, seqlen_k = _sequence_bounds(
+        cu_seqlens_q, cu_seqlens_k, seq, seqlen_q, seqlen_k, IS_VARLEN
+    )
+    tile = tl.program_id(0)
+    if tile * BLOCK_N >= seqlen_k:
+        return
+    first_pos = seqlen_k - seqlen_q
+    k_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    key_real = k_pos < seqlen_k
+    k_rows = k_start + k_pos
+    k_head = k + seq.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_head = v + seq.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    k_tile = _load_rows(k_head, k_rows, key_real, stride_kt, stride_kd, HEAD_DIM, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+    v_tile = _load_rows(v_head, k_rows, key_real, stride_vt, stride_vd, HEAD_DIM, BLOCK_D)
+    dk_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    GROUP: tl.constexpr = BLOCK_M // UNIT
+    for group_member in range(0, q_heads_per_kv):
+        q_head = kv_head * q_heads_per_kv + group_member
+        pattern_head = q_head // q_heads_per_pattern
+        q_head_base = q + seq.to(tl.int64) * stride_qb + q_head.to(tl.int64) * stride_qh
+        do_head_base = dout + seq.to(tl.int64) * stride_gb + q_head.to(tl.int64) * stride_gh
+        lse_head = lse + seq.to(tl.int64) * stride_lb + q_head.to(tl.int64) * stride_lh
+        delta_head = delta + seq.to(tl.int64) * stride_db + q_head.to(tl.int64) * stride_dh
+        mask_head = block_mask + pattern_head.to(tl.int64) * stride_mp
+        list_base = unit_lists + pattern_head.to(tl.int64) * stride_up + tile.to(tl.int64) * stride_ut
+        count_base = unit_counts + pattern_head.to(tl.int64) * stride_cp + tile.to(tl.int64) * stride_ct
+        num_full = tl.load(count_base)
+        num_entries = tl.load(count_base + 1)
+        for entry in range(0, num_full, GROUP):
+            dk_acc, dv_acc = _bwd_dkdv_step(
+                dk_acc, dv_acc, k_tile, v_tile, k_pos, key_real, q_head_base, do_head_base, lse_head, delta_head,
+                mask_head, list_base, entry, num_entries, q_start, first_pos, seqlen_k,
+                stride_qt, stride_qd, stride_gt, stride_gd, stride_lt, stride_mm, stride_mn, qk_scale,
+                HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_M, UNIT, CAUSAL, False, DOT_PRECISION,
+            )
+        for entry in range(num_full, num_entries, GROUP):
+            dk_acc, dv_acc = _bwd_dkdv_step(
+                dk_acc, dv_acc, k_tile, v_tile, k_pos, key_real, q_head_base, do_head_base, lse_head, delta_head,
+                mask_head, list_base, entry, num_entries, q_start, first_pos, seqlen_k,
+                stride_qt, stride_qd, stride_gt, stride_gd, stride_lt, stride_mm, stride_mn, qk_scale,
+                HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_M, UNIT, CAUSAL, True, DOT_PRECISION,
+            )
+    dk_head = dk + seq.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
+    dv_head = dv + seq.to(tl.int64) * stride_dvb + kv_head.to(tl.int64) * stride_dvh
+    _store_rows(dk_head, dk_acc * scale, k_rows, key_real, stride_dkt, stride_dkd, HEAD_DIM, BLOCK_D)
+    _store_rows(dv_head, dv_acc, k_rows, key_real, stride_dvt, stride_dvd, HEAD_DIM, BLOCK_D)
+
+
+# ============================================================================================== block lists
+_UNIT_LIST_CACHE: dict = {}
+
+
+def build_unit_lists(
+    block_mask: torch.Tensor, block_size: int, causal: bool, tile: int, unit: int, group: int, resident_is_query: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (pattern head, resident tile) the kept units of the other side, full ones first.
+
+    Args:
+        block_mask: bool ``[P, M, N]`` over absolute query blocks x key blocks.
+        tile: positions per resident tile (queries when ``resident_is_query``, else keys).
+        unit: positions per unit of the other side, ``min(block_size, its kernel tile)``.
+        group: units gathered per kernel iteration, ``its kernel tile // unit``.
+
+    Returns:
+        ``units`` int32 ``[P, num_tiles, L]``: unit indices (unit ``u`` covers positions ``u*unit .. u*unit+unit-1``),
+        entries ``[0, num_full)`` need no masking, ``[num_full, num_total)`` are partial, the rest is padding;
+        ``counts`` int32 ``[P, num_tiles, 2]`` = ``(num_full, num_total)``, with ``num_full`` rounded down to a
+        multiple of ``group`` (the remainder is processed with the masked entries).
+    """
+    mask = block_mask if resident_is_query else block_mask.transpose(1, 2)  # [P, resident blocks, other blocks]
+    num_heads, num_blocks, _ = mask.shape
+    if tile >= block_size:  # a tile spans several blocks: union (kept by some) and intersection (kept by all)
+        per_tile = tile // block_size
+        num_tiles = -(-num_blocks // per_tile)
+        pad = num_tiles * per_tile - num_blocks
+        pad_shape = (num_heads, pad, mask.shape[2])
+        kept_some = torch.cat([mask, mask.new_zeros(pad_shape)], 1).reshape(num_heads, num_tiles, per_tile, -1).any(2)
+        # Padding blocks lie past every sequence (their rows are never real), so they must not veto "kept by all".
+        kept_all = torch.cat([mask, mask.new_ones(pad_shape)], 1).reshape(num_heads, num_tiles, per_tile, -1).all(2)
+    else:  # a tile is a part of one block
+        kept_some = kept_all = mask.repeat_interleave(block_size // tile, dim=1)
+    if unit < block_size:
+        kept_some = kept_some.repeat_interleave(block_size // unit, dim=2)
+        kept_all = kept_all.repeat_interleave(block_size // unit, dim=2)
+    num_tiles, num_units = kept_some.shape[1:]
+    device = mask.device
+
+    tile_first = torch.arange(num_tiles, device=device)[:, None] * tile  # [num_tiles, 1]
+    tile_last = tile_first + tile - 1
+    unit_first = torch.arange(num_units, device=device)[None, :] * unit  # [1, num_units]
+    unit_last = unit_first + unit - 1
+    if not causal:
+        some_visible = all_visible = torch.ones(num_tiles, num_units, dtype=torch.bool, device=device)
+    elif resident_is_query:  # key unit vs query tile: key <= query
+        some_visible, all_visible = unit_first <= tile_last, unit_last <= tile_first
+    else:  # query unit vs key tile
+        some_visible, all_visible = unit_last >= tile_first, unit_first >= tile_last
+    kept = kept_some & some_visible
+    full = kept_all & all_visible & kept
+
+    # Sort key: full units first, then partial, then skipped ones; ascending unit index inside each class.
+    category = torch.where(full, 0, torch.where(kept, 1, 2)).to(torch.int32)
+    order_key = category * num_units + torch.arange(num_units, device=device, dtype=torch.int32)
+    num_total = kept.sum(-1, dtype=torch.int32)
+    width = max(1, int(num_total.max()))
+    units = torch.empty(num_heads, num_tiles, width, dtype=torch.int32, device=device)
+    heads_per_chunk = max(1, (1 << 26) // max(1, num_tiles * num_units))  # bounds the sort's temporary memory
+    for h in range(0, num_heads, heads_per_chunk):
+        units[h : h + heads_per_chunk] = order_key[h : h + heads_per_chunk].sort(-1).values[..., :width] % num_units
+    num_full = full.sum(-1, dtype=torch.int32)
+    num_full -= num_full % group
+    return units, torch.stack([num_full, num_total], -1)
+
+
+def _unit_lists(layout: BlockLayout, tile: int, other_tile: int, resident_is_query: bool):
+    """``build_unit_lists`` for this layout and kernel tiles, cached when the layout has a ``cache_key``."""
+    unit = min(layout.block_size, other_tile)
+    args = (layout.block_size, layout.causal, tile, unit, other_tile // unit, resident_is_query)
+    if layout.cache_key is None:
+        return build_unit_lists(layout.block_mask, *args)
+    key = (layout.cache_key, *args)
+    if key not in _UNIT_LIST_CACHE:
+        _UNIT_LIST_CACHE[key] = build_unit_lists(layout.block_mask, *args)
+    return _UNIT_LIST_CACHE[key]
+
+
+# ============================================================================================== configs
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # query positions per tile (resident in fwd/dq, gathered in dk/dv)
+    block_n: int  # key positions per tile (gathered in fwd/dq, resident in dk/dv)
+    num_warps: int
+    num_stages: int
+
+
+# Used where nothing can be timed (TRITON_INTERPRET=1 / CPU tensors). Tests may swap in other tiles.
+INTERPRETER_CONFIGS = {
+    "fwd": TileConfig(64, 64, 4, 1),
+    "dq": TileConfig(64, 64, 4, 1),
+    "dkdv": TileConfig(64, 64, 4, 1),
+}
+
+# GPU candidates per kernel and head-dim class (small: D <= 64, medium: D <= 128, large: D <= 256).
+_CANDIDATES = {
+    ("fwd", "small"): [TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3), TileConfig(64, 64, 4, 3)],
+    ("fwd", "medium"): [TileConfig(128, 64, 8, 3), TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 2),
+                        TileConfig(64, 64, 4, 3)],
+    ("fwd", "large"): [TileConfig(64, 64, 4, 2), TileConfig(128, 64, 8, 2), TileConfig(64, 32, 4, 2),
+                       TileConfig(128, 32, 8, 2)],
+    ("dq", "small"): [TileConfig(128, 64, 8, 2), TileConfig(64, 64, 4, 3), TileConfig(128, 128, 8, 2)],
+    ("dq", "medium"): [TileConfig(128, 64, 8, 2), TileConfig(64, 64, 4, 2), TileConfig(128, 32, 8, 2),
+                       TileConfig(64, 32, 4, 3)],
+    ("dq", "large"): [TileConfig(64, 32, 4, 2), TileConfig(64, 64, 8, 2), TileConfig(32, 64, 4, 2)],
+    ("dkdv", "small"): [TileConfig(64, 128, 8, 2), TileConfig(64, 64, 4, 3), TileConfig(32, 128, 4, 3)],
+    ("dkdv", "medium"): [TileConfig(64, 128, 8, 2), TileConfig(32, 128, 8, 2), TileConfig(64, 64, 4, 2),
+                         TileConfig(32, 64, 4, 3)],
+    ("dkdv", "large"): [TileConfig(32, 64, 4, 2), TileConfig(16, 64, 4, 2), TileConfig(32, 32, 4, 2),
+                        TileConfig(64, 64, 8, 2)],
+}
+
+_TUNED_CONFIGS: dict = {}
+
+
+def _interpreting(device: torch.device) -> bool:
+    return device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _pick_config(kind: str, key: tuple, head_dim: int, device: torch.device, launch) -> TileConfig:
+    """The fastest candidate for ``key`` (timed once with ``do_bench``, then cached); fixed under the interpreter.
+
+    ``launch(config)`` must run the kernel with that config (outputs are overwritten by the final launch).
+    """
+    if _interpreting(device):
+        return INTERPRETER_CONFIGS[kind]
+    full_key = (kind, *key)
+    if full_key not in _TUNED_CONFIGS:
+        size = "small" if head_dim <= 64 else "medium" if head_dim <= 128 else "large"
+        timings = {}
+        for config in _CANDIDATES[(kind, size)]:
+            try:
+                timings[config] = triton.testing.do_bench(
+                    lambda c=config: launch(c), warmup=5, rep=30, return_mode="median"
+                )
+            except triton.runtime.errors.OutOfResources:  # e.g. too much shared memory for this head dim
+                continue
+        if not timings:
+            raise RuntimeError(f"no {kind} tile config fits head_dim={head_dim} on this GPU")
+        _TUNED_CONFIGS[full_key] = min(timings, key=timings.get)
+    return _TUNED_CONFIGS[full_key]
+
+
+# ============================================================================================== launchers
+@dataclass(frozen=True)
+class _Problem:
+    """Sizes and sequence bookkeeping shared by the launchers."""
+
+    num_seqs: int  # grid z: batch rows, or packed sequences when varlen
+    max_seqlen_q: int
+    max_seqlen_k: int
+    is_varlen: bool
+    cu_seqlens_q: torch.Tensor  # int32 [S + 1] (a dummy when not varlen: the kernels do not read it)
+    cu_seqlens_k: torch.Tensor
+    tune_key: tuple
+
+    def strides(self, t: torch.Tensor) -> tuple[int, ...]:
+        """Strides with the batch stride zeroed in varlen mode (B == 1, the grid's z indexes sequences)."""
+        return (0 if self.is_varlen else t.stride(0), *t.stride()[1:])
+
+    def num_q_tiles(self, block_m: int) -> int:
+        if self.is_varlen:  # one extra tile when a sequence's first query is not tile-aligned
+            return -(-self.max_seqlen_q // block_m) + 1
+        first_tile = (self.max_seqlen_k - self.max_seqlen_q) // block_m
+        return (self.max_seqlen_k - 1) // block_m - first_tile + 1
+
+
+def _problem(q: torch.Tensor, k: torch.Tensor, layout: BlockLayout, varlen: Varlen | None) -> _Problem:
+    batch, num_q_heads, seqlen_q, head_dim = q.shape
+    if varlen is not None:
+        num_seqs, max_q, max_k = varlen.num_seqs, varlen.max_seqlen_q, varlen.max_seqlen_k
+        cu_q, cu_k = varlen.cu_seqlens_q, varlen.cu_seqlens_k
+    else:
+        num_seqs, max_q, max_k = batch, seqlen_q, k.shape[2]
+        cu_q = cu_k = torch.zeros(1, dtype=torch.int32, device=q.device)
+    # Lengths are bucketed to powers of two so that varying batches reuse one tuned config.
+    tune_key = (
+        batch, num_q_heads, k.shape[1], layout.num_pattern_heads, triton.next_power_of_2(max(1, max_q)),
+        triton.next_power_of_2(max(1, max_k)), head_dim, q.dtype, layout.block_size, layout.causal,
+        varlen is not None, str(q.device),
+    )
+    return _Problem(num_seqs, max_q, max_k, varlen is not None, cu_q, cu_k, tune_key)
+
+
+def _common_constexprs(q: torch.Tensor, layout: BlockLayout, problem: _Problem) -> dict:
+    head_dim = q.shape[-1]
+    return dict(
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),  # D = 80, 96, ... are padded to a power of two and masked
+        BLOCK_SIZE=layout.block_size,
+        CAUSAL=layout.causal,
+        IS_VARLEN=problem.is_varlen,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # "tf32" is ignored for 16-bit inputs
+    )
+
+
+def s2_attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout, scale: float, varlen: Varlen | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward launcher.
+
+    Args:
+        q: ``[B, Hq, Tq, D]``; k, v: ``[B, Hkv, Tk, D]`` (any strides); ``Hq % Hkv == 0``, ``Hq % P == 0``.
+    Returns:
+        ``out [B, Hq, Tq, D]`` in q's dtype and ``lse [B, Hq, Tq]`` float32 (natural log, ``-inf`` for empty rows).
+    """
+    batch, num_q_heads, seqlen_q, head_dim = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [B, Hq, Tq, D]
+    lse = torch.empty(batch, num_q_heads, seqlen_q, dtype=torch.float32, device=q.device)  # [B, Hq, Tq]
+    if q.numel() == 0:
+        return out, lse.fill_(-math.inf)
+    problem = _problem(q, k, layout, varlen)
+    block_mask = layout.block_mask.view(torch.uint8)  # [P, M, N], zero-copy
+
+    def launch(config: TileConfig):
+        units, counts = _unit_lists(layout, config.block_m, config.block_n, resident_is_query=True)
+        grid = (problem.num_q_tiles(config.block_m), num_q_heads, problem.num_seqs)
+        s2_attention_fwd_kernel[grid](
+            q, k, v, out, lse, block_mask, units, counts, problem.cu_seqlens_q, problem.cu_seqlens_k,
+            *problem.strides(q), *problem.strides(k), *problem.strides(v), *problem.strides(out),
+            *problem.strides(lse), *block_mask.stride(), *units.stride()[:2], *counts.stride()[:2],
+            seqlen_q, k.shape[2], scale * LOG2E, num_q_heads // layout.num_pattern_heads, num_q_heads // k.shape[1],
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, UNIT=min(layout.block_size, config.block_n),
+            num_warps=config.num_warps, num_stages=config.num_stages, **_common_constexprs(q, layout, problem),
+        )
+
+    launch(_pick_config("fwd", problem.tune_key, head_dim, q.device, launch))
+    return out, lse
+
+
+def s2_attention_bwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    dout: torch.Tensor, dlse: torch.Tensor | None, layout: BlockLayout, scale: float, varlen: Varlen | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward launcher: ``dq [B, Hq, Tq, D]``, ``dk``/``dv [B, Hkv, Tk, D]`` in the inputs' dtype.
+
+    ``dout`` is ``[B, Hq, Tq, D]`` (any strides), ``dlse`` ``[B, Hq, Tq]`` or None (lse unused).
+    """
+    batch, num_q_heads, seqlen_q, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if q.numel() == 0 or k.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    problem = _problem(q, k, layout, varlen)
+    block_mask = layout.block_mask.view(torch.uint8)
+    constexprs = _common_constexprs(q, layout, problem)
+
+    delta = torch.empty(batch, num_q_heads, seqlen_q, dtype=torch.float32, device=q.device)  # [B, Hq, Tq]
+    preprocess_rows = 64
+    s2_attention_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, preprocess_rows), num_q_heads, batch)](
+        out, dout, dlse if dlse is not None else lse, delta, *out.stride(), *dout.stride(),
+        *(dlse if dlse is not None else lse).stride(), seqlen_q, num_q_heads,
+        HEAD_DIM=head_dim, BLOCK_D=constexprs["BLOCK_D"], BLOCK_T=preprocess_rows, HAS_DLSE=dlse is not None,
+    )
+    delta_strides = (0 if problem.is_varlen else delta.stride(0), delta.stride(1))
+    shared_args = (
+        *problem.strides(q), *problem.strides(k), *problem.strides(v), *problem.strides(dout),
+    )
+    tail_args = (seqlen_q, k.shape[2], *delta_strides, scale, scale * LOG2E,
+                 num_q_heads // layout.num_pattern_heads, num_q_heads // num_kv_heads)
+
+    def launch_dq(config: TileConfig):
+        units, counts = _unit_lists(layout, config.block_m, config.block_n, resident_is_query=True)
+        grid = (problem.num_q_tiles(config.block_m), num_q_heads, problem.num_seqs)
+        s2_attention_bwd_dq_kernel[grid](
+            q, k, v, dout, lse, delta, dq, block_mask, units, counts, problem.cu_seqlens_q, problem.cu_seqlens_k,
+            *shared_args, *problem.strides(dq), *problem.strides(lse), *block_mask.stride(),
+            *units.stride()[:2], *counts.stride()[:2], *tail_args,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, UNIT=min(layout.block_size, config.block_n),
+            num_warps=config.num_warps, num_stages=config.num_stages, **constexprs,
+        )
+
+    def launch_dkdv(config: TileConfig):
+        units, counts = _unit_lists(layout, config.block_n, config.block_m, resident_is_query=False)
+        grid = (triton.cdiv(problem.max_seqlen_k, config.block_n), num_kv_heads, problem.num_seqs)
+        s2_attention_bwd_dkdv_kernel[grid](
+            q, k, v, dout, lse, delta, dk, dv, block_mask, units, counts, problem.cu_seqlens_q, problem.cu_seqlens_k,
+            *shared_args, *problem.strides(dk), *problem.strides(dv), *problem.strides(lse), *block_mask.stride(),
+            *units.stride()[:2], *counts.stride()[:2], *tail_args,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, UNIT=min(layout.block_size, config.block_m),
+            num_warps=config.num_warps, num_stages=config.num_stages, **constexprs,
+        )
+
+    launch_dq(_pick_config("dq", problem.tune_key, head_dim, q.device, launch_dq))
+    launch_dkdv(_pick_config("dkdv", problem.tune_key, head_dim, q.device, launch_dkdv))
+    return dq, dk, dv
+
+
+# ============================================================================================== autograd
+class S2AttentionFunction(torch.autograd.Function):
+    """Differentiable in q, k, v, through both ``out`` and ``lse``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout: BlockLayout, scale: float, varlen: Varlen | None):
+        out, lse = s2_attention_fwd(q, k, v, layout, scale, varlen)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.layout, ctx.scale, ctx.varlen = layout, scale, varlen
+        ctx.set_materialize_grads(False)  # an unused lse (or out) arrives as None: skip its work
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = s2_attention_bwd(q, k, v, out, lse, dout, dlse, ctx.layout, ctx.scale, ctx.varlen)
+        return dq, dk, dv, None, None, None
+
+
+def s2_attention_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout, scale: float, varlen: Varlen | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backend entry (contract in ``interface.py``): ``q [B, Hq, Tq, D]``, ``k``/``v [B, Hkv, Tk, D]`` (any strides)
+    -> ``out [B, Hq, Tq, D]`` (q's dtype), ``lse [B, Hq, Tq]`` float32. Differentiable in q, k, v and through lse."""
+    return S2AttentionFunction.apply(q, k, v, layout, scale, varlen)

@@ -1,0 +1,244 @@
+"""Triton S2-Attention kernels vs the float64 reference (forward, lse, and gradients of q, k, v).
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors (fp16/fp32 only: the interpreter's bf16 dot is
+wrong); bf16 and large shapes run in the ``gpu``-marked tests.
+
+Tolerance (as FlashAttention's tests): the kernel's error against float64 must be at most 2x (3x for gradients) the
+error of the same computation done by PyTorch in the input dtype, plus a tiny absolute floor.
+"""
+
+import math
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
+
+import pytest  # noqa: E402
+
+from s2_models.kernels import S2Pattern, s2_attention, triton_impl  # noqa: E402
+from s2_models.kernels.naive import naive_s2_attention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ABS_FLOOR = {torch.float32: 2e-5, torch.float16: 2e-4, torch.bfloat16: 2e-3}
+
+
+def _make_inputs(seed, batch, q_heads, kv_heads, q_len, k_len, head_dim, dtype, device=DEVICE):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, q_heads, q_len, head_dim, generator=gen)
+    k = torch.randn(batch, kv_heads, k_len, head_dim, generator=gen)
+    v = torch.randn(batch, kv_heads, k_len, head_dim, generator=gen)
+    grad_out = torch.randn(batch, q_heads, q_len, head_dim, generator=gen)
+    grad_lse = torch.randn(batch, q_heads, q_len, generator=gen)
+    return [t.to(device=device, dtype=dtype) for t in (q, k, v, grad_out)] + [grad_lse.to(device)]
+
+
+def _forward_backward(fn, q, k, v, grad_out, grad_lse, cast):
+    """Run ``fn(q, k, v) -> (out, lse)`` on leaf copies cast by ``cast``; return out, lse, dq, dk, dv."""
+    leaves = [cast(t).detach().requires_grad_() for t in (q, k, v)]
+    out, lse = fn(*leaves)
+    seen = torch.isfinite(lse)
+    loss = (out * cast(grad_out)).sum() + (torch.where(seen, lse, 0.0) * grad_lse.to(lse.dtype)).sum()
+    grads = torch.autograd.grad(loss, leaves)
+    return out.detach(), lse.detach(), *grads
+
+
+def _assert_close(name, kernel, reference, low_precision, factor, floor):
+    kernel, reference, low_precision = (t.double() for t in (kernel, reference, low_precision))
+    if name == "lse":  # rows that see no key: -inf in all three
+        assert torch.equal(torch.isinf(kernel), torch.isinf(reference)), "lse: -inf rows differ"
+        finite = ~torch.isinf(reference)
+        kernel, reference, low_precision = (torch.where(finite, t, 0.0) for t in (kernel, reference, low_precision))
+    assert not torch.isnan(kernel).any(), f"{name}: NaN"
+    error = (kernel - reference).abs().max().item()
+    baseline = (low_precision - reference).abs().max().item()
+    message = f"{name}: error {error:.3g} > {factor} x torch error {baseline:.3g} + {floor}"
+    assert error <= factor * baseline + floor, message
+
+
+def check_against_reference(seed, shape, dtype, pattern=None, causal=True, **kwargs):
+    """Compare the Triton backend with naive fp64 and naive in ``dtype`` (outputs, lse and all gradients)."""
+    q, k, v, grad_out, grad_lse = _make_inputs(seed, *shape, dtype)
+    reference_device = DEVICE if dtype != torch.float16 or DEVICE == "cuda" else "cpu"
+
+    def triton_fn(q_, k_, v_):
+        return s2_attention(q_, k_, v_, pattern, causal=causal, backend="triton", return_lse=True, **kwargs)
+
+    def naive_fn(precision):
+        ref_kwargs = {key: (val.to(reference_device) if torch.is_tensor(val) else val) for key, val in kwargs.items()}
+        return lambda q_, k_, v_: naive_s2_attention(q_, k_, v_, pattern, causal=causal, dtype=precision, **ref_kwargs)
+
+    results = _forward_backward(triton_fn, q, k, v, grad_out, grad_lse, lambda t: t)
+    exact = _forward_backward(naive_fn(torch.float64), q, k, v, grad_out, grad_lse, lambda t: t.to(reference_device))
+    low = _forward_backward(naive_fn(dtype), q, k, v, grad_out, grad_lse, lambda t: t.to(reference_device))
+    assert results[0].dtype == dtype and results[1].dtype == torch.float32
+    for name, kernel, ref, lowp in zip(("out", "lse", "dq", "dk", "dv"), results, exact, low):
+        factor = 2 if name in ("out", "lse") else 3
+        _assert_close(name, kernel.cpu(), ref.cpu(), lowp.cpu(), factor, ABS_FLOOR[dtype])
+    return results
+
+
+# ---------------------------------------------------------------------------------------------- interpreter-sized
+SMALL_CASES = [
+    # (batch, Hq, Hkv, Tq, Tk, D), pattern fields, causal
+    ((1, 2, 2, 1, 1, 16), dict(block_size=16, local_blocks=1, vert_stride=2), True),
+    ((2, 2, 1, 17, 17, 32), dict(block_size=16, local_blocks=2, vert_stride=3), True),
+    ((1, 4, 2, 127, 127, 64), dict(block_size=32, local_blocks=1, vert_stride=2), True),
+    ((1, 4, 1, 200, 200, 32), dict(block_size=16, local_blocks=2, vert_stride=4, num_dense_heads=0), True),
+    ((1, 4, 4, 200, 200, 16), dict(block_size=64, local_blocks=1, vert_stride=2, homo_head=True), True),
+    ((1, 2, 2, 260, 260, 32), dict(block_size=128, local_blocks=1, vert_stride=2), True),
+    ((1, 4, 2, 33, 200, 32), dict(block_size=16, local_blocks=2, vert_stride=3, head_sliding_offset=0), True),
+    ((2, 4, 1, 1, 130, 64), dict(block_size=32, local_blocks=1, vert_stride=2, num_dense_heads=1), True),
+    ((1, 4, 2, 150, 150, 32), dict(block_size=16, local_blocks=2, vert_stride=4, per_query_head=True), True),
+    ((1, 2, 1, 200, 200, 32), dict(block_size=32, local_blocks=1, vert_stride=3), False),
+    ((1, 2, 2, 90, 170, 16), dict(block_size=16, local_blocks=2, vert_stride=4, num_dense_heads=1), False),
+    ((1, 2, 2, 200, 200, 80), dict(block_size=64, local_blocks=1, vert_stride=2), True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", range(len(SMALL_CASES)))
+def test_matches_reference(case, dtype):
+    shape, fields, causal = SMALL_CASES[case]
+    check_against_reference(100 + case, shape, dtype, S2Pattern(**fields), causal=causal)
+
+
+@pytest.mark.parametrize(
+    "fwd, dq, dkdv",
+    [((32, 16), (16, 32), (16, 32)), ((16, 64), (32, 64), (64, 16)), ((128, 32), (64, 16), (32, 64))],
+    ids=["small", "wide-kv", "merged-q"],
+)
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_tile_shapes(monkeypatch, fwd, dq, dkdv, block_size):
+    """Kernel tiles smaller than, equal to and larger than the sparse block (gather and Merge-Q paths)."""
+    configs = {kind: triton_impl.TileConfig(*tiles, 4, 1) for kind, tiles in (("fwd", fwd), ("dq", dq), ("dkdv", dkdv))}
+    monkeypatch.setattr(triton_impl, "INTERPRETER_CONFIGS", configs)
+    monkeypatch.setattr(triton_impl, "_interpreting", lambda device: True)
+    pattern = S2Pattern(block_size=block_size, local_blocks=2, vert_stride=3, head_sliding_step=1)
+    check_against_reference(7 * block_size, (1, 4, 2, 150, 180, 32), torch.float32, pattern)
+
+
+def test_varlen_with_empty_sequence():
+    lens_q, lens_k = [5, 0, 70, 33], [40, 0, 70, 100]
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    pattern = S2Pattern(block_size=16, local_blocks=2, vert_stride=3)
+    shape = (1, 4, 2, sum(lens_q), sum(lens_k), 32)
+    for causal in (True, False):
+        check_against_reference(11, shape, torch.float16, pattern, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_mask(side):
+    lengths = torch.tensor([50, 97, 3])
+    positions = torch.arange(97)
+    real = positions[None] < lengths[:, None] if side == "right" else positions[None] >= 97 - lengths[:, None]
+    pattern = S2Pattern(block_size=32, local_blocks=1, vert_stride=2)
+    out = check_against_reference(12, (3, 2, 1, 40, 97, 16), torch.float32, pattern, attention_mask=real.to(DEVICE))[0]
+    q_real = real[:, -40:].to(out.device)
+    assert torch.all(out[~q_real[:, None, :, None].expand_as(out)] == 0), "padded query rows must be 0"
+
+
+def test_user_block_mask_with_empty_rows():
+    """A user mask (never cached) where some query blocks keep nothing: lse = -inf, out = 0, no NaN gradients."""
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.rand(2, 7, 7, generator=gen) < 0.4
+    mask[0, 2] = False
+    mask[1, :, 0] = True
+    mask[1, 5] = False
+    out, lse = check_against_reference(13, (1, 4, 2, 100, 100, 32), torch.float32, block_mask=mask.to(DEVICE),
+                                       block_size=16, causal=False)[:2]
+    assert torch.all(lse[0, :2, 32:48] == -math.inf) and torch.all(out[0, :2, 32:48] == 0)
+
+
+def test_strided_inputs():
+    """[B, T, H, D] memory viewed as [B, H, T, D], and a sliced head dim: no copies, same results."""
+    pattern = S2Pattern(block_size=16, local_blocks=2, vert_stride=3)
+    gen = torch.Generator().manual_seed(14)
+    qkv = torch.randn(1, 120, 8, 48, generator=gen).to(DEVICE)  # [B, T, H, D + 16]
+    q = qkv[:, :, :4, :32].transpose(1, 2)
+    k = qkv[:, :, 4:6, 16:48].transpose(1, 2)
+    v = qkv[:, :, 6:, :32].transpose(1, 2)
+    out, lse = s2_attention(q, k, v, pattern, backend="triton", return_lse=True)
+    ref_out, ref_lse = s2_attention(q.contiguous(), k.contiguous(), v.contiguous(), pattern, backend="triton",
+                                    return_lse=True)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def test_excluded_blocks_are_never_read():
+    """Perturbing K/V inside blocks a query block excludes leaves that block's output rows bit-for-bit unchanged,
+    while rows that do read the perturbed block change."""
+    pattern = S2Pattern(block_size=16, local_blocks=2, vert_stride=4)
+    q, k, v, _, _ = _make_inputs(15, 1, 2, 2, 160, 160, 32, torch.float32)
+    block_mask = pattern.block_mask(2, 10, 10)  # [P, M, N]
+    perturbed_block = 5
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, perturbed_block * 16 : (perturbed_block + 1) * 16] += 3.0
+    v2[:, :, perturbed_block * 16 : (perturbed_block + 1) * 16] -= 5.0
+    out = s2_attention(q, k, v, pattern, backend="triton")
+    out2 = s2_attention(q, k2, v2, pattern, backend="triton")
+    for head in range(2):
+        excluded = (~block_mask[head, :, perturbed_block]).repeat_interleave(16)
+        assert excluded.any() and (~excluded).any()
+        assert torch.equal(out[0, head, excluded.to(out.device)], out2[0, head, excluded.to(out.device)])
+        assert not torch.equal(out[0, head, ~excluded.to(out.device)], out2[0, head, ~excluded.to(out.device)])
+
+
+def test_unit_lists_cover_exactly_the_kept_units():
+    """Full entries are kept by every block of the tile and need no causal mask; full + partial = the kept set."""
+    pattern = S2Pattern(block_size=16, local_blocks=3, vert_stride=5)
+    mask = pattern.block_mask(3, 20, 20)
+    units, counts = triton_impl.build_unit_lists(mask, 16, True, tile=64, unit=16, group=2, resident_is_query=True)
+    for head in range(3):
+        for tile in range(units.shape[1]):
+            num_full, num_total = counts[head, tile].tolist()
+            assert num_full % 2 == 0
+            listed = units[head, tile, :num_total].tolist()
+            rows = mask[head, tile * 4 : tile * 4 + 4]
+            assert sorted(listed) == rows.any(0).nonzero().flatten().tolist()
+            for unit in listed[:num_full]:
+                assert rows[:, unit].all() and unit < tile * 4
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+GPU_CASES = [
+    # (batch, Hq, Hkv, Tq, Tk, D), block_size
+    ((1, 4, 2, 1000, 1000, 64), 16),
+    ((2, 4, 4, 2048, 2048, 128), 64),
+    ((1, 8, 2, 1500, 4096, 128), 32),
+    ((1, 2, 1, 4096, 4096, 256), 128),
+    ((1, 4, 4, 3000, 3000, 96), 64),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", range(len(GPU_CASES)))
+def test_gpu_matches_reference(case, dtype):
+    shape, block_size = GPU_CASES[case]
+    pattern = S2Pattern(block_size=block_size, local_blocks=4, vert_stride=4)
+    check_against_reference(200 + case, shape, dtype, pattern)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_bf16():
+    lens = [1000, 0, 1, 2047, 700]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    pattern = S2Pattern(block_size=32, local_blocks=4, vert_stride=8)
+    check_against_reference(300, (1, 8, 2, sum(lens), sum(lens), 128), torch.bfloat16, pattern,
+                            cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+
+@pytest.mark.gpu
+def test_gpu_backward_is_deterministic():
+    pattern = S2Pattern(block_size=16, local_blocks=8, vert_stride=8)
+    q, k, v, grad_out, grad_lse = _make_inputs(301, 2, 8, 2, 2048, 2048, 128, torch.bfloat16)
+
+    def fn(q_, k_, v_):
+        return s2_attention(q_, k_, v_, pattern, backend="triton", return_lse=True)
+
+    first = _forward_backward(fn, q, k, v, grad_out, grad_lse, lambda t: t)
+    second = _forward_backward(fn, q, k, v, grad_out, grad_lse, lambda t: t)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
