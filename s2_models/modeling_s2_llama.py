@@ -1,0 +1,538 @@
+"""S2Llama: Llama whose attention layers are, layer by layer, dense or S2-Attention (arXiv 2407.17678).
+
+Attention implementations (``attn_implementation=``):
+
+* ``"s2"`` (the default): sparse layers call ``s2_attention`` (Triton on CUDA, the exact sparse PyTorch path
+  elsewhere) with native GQA; dense layers call PyTorch SDPA (FlashAttention kernels on CUDA when unmasked). Both
+  take the ``[B, Tk]`` key padding mask and packed sequences (``cu_seq_lens_*`` kwargs, or ``position_ids`` that
+  restart at 0) as they are: no ``T x T`` mask is ever built.
+* ``"sdpa"`` / ``"eager"``: references. Sparse layers get their pattern as a 4-D per-head mask, anchored at each
+  sequence's first token like the kernels, so every implementation computes the same function.
+
+Self-contained on purpose (transformers + the flat kernel files only): it is copied next to the weights of every
+saved checkpoint so that ``trust_remote_code`` loading works without this package installed.
+"""
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface, AttentionMaskInterface, GenerationMixin
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_s2_llama import FULL_ATTENTION, S2_ATTENTION, S2LlamaConfig
+from .kernels.interface import s2_attention
+from .kernels.pattern import S2Pattern, token_mask
+
+logger = logging.get_logger(__name__)
+
+S2_IMPLEMENTATION = "s2"
+# Implementations that apply the sparse patterns; any implementation runs an all-dense model.
+SPARSE_CAPABLE_IMPLEMENTATIONS = (S2_IMPLEMENTATION, "sdpa", "eager")
+
+
+# ---------------------------------------------------------------------------------------------- "s2" attention
+def s2_padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                    attention_mask=None, **kwargs):
+    """Mask function of the ``"s2"`` implementation: the ``[B, Tk]`` bool key padding mask, ``None`` without padding.
+
+    Both layer kinds take it as is (causality and the sparse pattern are implicit), so no ``T x T`` mask is made.
+    Registered so that transformers hands the padding mask to the attention function at all.
+    """
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:]
+    return None if bool(attention_mask.all()) else attention_mask
+
+
+def s2_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    max_length_k: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The ``"s2"`` attention function: the layer's S2 pattern, or dense SDPA for dense layers.
+
+    Args:
+        module: the attention layer; ``module.s2_pattern`` is its ``S2Pattern`` (``None``: dense).
+        query: ``[B, Hq, Tq, D]``; key, value: ``[B, Hkv, Tk, D]`` (GQA native), queries bottom-right aligned.
+        attention_mask: ``None`` or the ``[B, Tk]`` key padding mask (left or right padding).
+        cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k: packed sequences (flash-attn varlen kwargs, as
+            from ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``): the ``B * T`` tokens, flattened
+            row after row, are split at these offsets.
+
+    Returns:
+        ``(out [B, Tq, Hq, D], None)``: no attention weights are materialized.
+    """
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            f'attn_implementation="s2" takes a [B, Tk] key padding mask, got shape {tuple(attention_mask.shape)}; '
+            'use attn_implementation="sdpa" or "eager" for custom 4-D masks'
+        )
+    packed = cu_seq_lens_q is not None or cu_seq_lens_k is not None
+    b, hq, tq, d = query.shape
+    if packed:  # one row of all tokens: sequences never cross rows, so flattening keeps them intact
+        query, key, value = (x.transpose(0, 1).flatten(1, 2).unsqueeze(0) for x in (query, key, value))
+    varlen = {"cu_seqlens_q": cu_seq_lens_q, "cu_seqlens_k": cu_seq_lens_k} if packed else {}
+    if module.s2_pattern is None:
+        out = dense_attention(query, key, value, scaling, dropout, key_padding_mask=attention_mask, **varlen)
+    else:
+        if dropout:
+            raise ValueError(f"the S2 kernels have no attention dropout, got dropout={dropout}")
+        out = s2_attention(
+            query, key, value, module.s2_pattern, scale=scaling, backend=module.config.s2_backend,
+            attention_mask=attention_mask, max_seqlen_q=max_length_q, max_seqlen_k=max_length_k, **varlen
+        )
+    if packed:
+        out = out.squeeze(0).unflatten(1, (b, tq)).transpose(0, 1)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def dense_attention(query, key, value, scale, dropout=0.0, key_padding_mask=None, cu_seqlens_q=None,
+                    cu_seqlens_k=None):
+    """Causal dense attention through SDPA, queries bottom-right aligned; same inputs as ``s2_attention``.
+
+    ``query [B, Hq, Tq, D]``, ``key/value [B, Hkv, Tk, D]`` -> ``[B, Hq, Tq, D]``. Rows of padded queries are 0.
+    Packed sequences (``cu_seqlens_*``, ``B == 1``) run one by one, so no block-diagonal mask is built.
+    """
+    if cu_seqlens_q is not None:
+        cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        pieces = [
+            dense_attention(query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1], scale, dropout)
+            for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])
+        ]
+        return torch.cat(pieces, dim=2)
+    tq, tk = query.shape[2], key.shape[2]
+    if key_padding_mask is None and (tq == tk or tq == 1):
+        # Unmasked: FlashAttention-class kernels on CUDA (a single query sees every key).
+        return F.scaled_dot_product_attention(
+            query, key, value, dropout_p=dropout, scale=scale, is_causal=tq > 1,
+            enable_gqa=query.shape[1] != key.shape[1]
+        )
+    q_pos = torch.arange(tk - tq, tk, device=query.device)
+    mask = (torch.arange(tk, device=query.device) <= q_pos[:, None])[None, None]  # [1, 1, Tq, Tk]
+    real_q = None
+    if key_padding_mask is not None:
+        real_k = key_padding_mask.to(device=query.device, dtype=torch.bool)
+        real_q = real_k[:, tk - tq :, None, None].transpose(1, 2)  # [B, 1, Tq, 1]
+        # A padded query sees no key; let it see all (its row is zeroed below) so no softmax row is empty.
+        mask = (mask & real_k[:, None, None, :]) | ~real_q
+    groups = query.shape[1] // key.shape[1]  # masked SDPA with enable_gqa falls back to the math kernel on CUDA
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale)
+    return out if real_q is None else out.masked_fill(~real_q, 0.0)
+
+
+AttentionInterface.register(S2_IMPLEMENTATION, s2_attention_forward)
+AttentionMaskInterface.register(S2_IMPLEMENTATION, s2_padding_mask)
+
+
+# ---------------------------------------------------------------------------------------------- reference masks
+def sequence_layout(batch_size, kv_length, key_padding_mask=None, cu_seqlens=None, device=None):
+    """Which sequence each key belongs to, and its position in it: ``(segment, position)``, both ``long [B, Tk]``.
+
+    ``segment`` is -1 for padding. Sequences start at their first real token (padding) or at the ``cu_seqlens``
+    offsets into the flattened ``B * Tk`` tokens (packing), exactly where ``s2_attention`` anchors its pattern.
+    """
+    index = torch.arange(kv_length, device=device).expand(batch_size, kv_length)
+    if cu_seqlens is not None:
+        flat = torch.arange(batch_size * kv_length, device=device)
+        starts = cu_seqlens.to(device=device, dtype=torch.long)[:-1]
+        segment = torch.searchsorted(starts, flat, right=True) - 1
+        return segment.view(batch_size, kv_length), (flat - starts[segment]).view(batch_size, kv_length)
+    if key_padding_mask is None:
+        return torch.zeros_like(index), index
+    real = key_padding_mask.to(device=device, dtype=torch.bool)
+    first = real.int().argmax(-1, keepdim=True)
+    return torch.where(real, 0, -1), index - first
+
+
+def s2_reference_mask(pattern: S2Pattern, num_q_heads, num_kv_heads, q_length, segment, position, dtype=None):
+    """The token-level mask of an S2 layer for the reference implementations: ``[B, Hq, Tq, Tk]``.
+
+    Bool (SDPA), or additive in ``dtype`` (eager: 0 kept, dtype's minimum masked). Queries are the last
+    ``q_length`` keys (bottom-right alignment, as with a KV cache); ``segment``/``position`` from
+    ``sequence_layout``.
+    """
+    num_heads = pattern.num_pattern_heads(num_q_heads, num_kv_heads)
+    length = int(position.max()) + 1
+    num_blocks = -(-length // pattern.block_size)
+    blocks = pattern.block_mask(num_heads, num_blocks, num_blocks, device=position.device)
+    within_sequence = token_mask(blocks, pattern.block_size, length, length)  # [P, L, L], by position in sequence
+    q_segment, q_position = segment[:, -q_length:], position[:, -q_length:]
+    keep = within_sequence[:, q_position.clamp(min=0)[:, :, None], position.clamp(min=0)[:, None, :]]
+    same_sequence = (q_segment[:, :, None] == segment[:, None, :]) & (segment[:, None, :] >= 0)  # [B, Tq, Tk]
+    mask = (keep.transpose(0, 1) & same_sequence[:, None]).repeat_interleave(num_q_heads // num_heads, dim=1)
+    if dtype is None:
+        return mask
+    return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def packed_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """``int32`` offsets of the sequences packed in ``position_ids [B, T]`` (rows flattened), where a position that
+    does not follow its predecessor starts a new sequence; ``None`` if every row holds one sequence."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    if not bool(starts[:, 1:].any()):
+        return None
+    offsets = starts.flatten().nonzero().squeeze(-1)
+    end = torch.tensor([position_ids.numel()], device=position_ids.device)
+    return torch.cat([offsets, end]).to(torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------- cache
+class S2DynamicLayer(DynamicLayer):
+    """KV cache of an ``"s2_attention"`` layer (registered for that layer type in ``DynamicCache``).
+
+    Keeps every key and value, like a full-attention layer.
+    """
+
+    _layer_type = S2_ATTENTION
+
+
+# ---------------------------------------------------------------------------------------------- modules
+class S2LlamaAttention(nn.Module):
+    """Llama attention whose core is dense or the layer's S2 pattern, per ``config.sparsity[layer_idx]``."""
+
+    def __init__(self, config: S2LlamaConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        self.s2_pattern: S2Pattern | None = config.layer_patterns()[layer_idx]
+
+        q_size, kv_size = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_bias)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        attn_output = self.o_proj(attn_output)
+        return attn_output, attn_weights
+
+
+class S2LlamaDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: S2LlamaConfig, layer_idx: int):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.attention_type = config.layer_types[layer_idx]
+        self.self_attn = S2LlamaAttention(config=config, layer_idx=layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states
+
+
+class S2LlamaPreTrainedModel(PreTrainedModel):
+    config: S2LlamaConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["S2LlamaDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True  # all-dense models only: sparse layers need "s2", "sdpa" or "eager"
+    _supports_sdpa = True
+    _supports_flex_attn = False
+    _can_compile_fullgraph = False  # the "s2" path reads sequence lengths on the host
+    _supports_attention_backend = True
+    _can_record_outputs = {
+        "hidden_states": S2LlamaDecoderLayer,
+        "attentions": S2LlamaAttention,
+    }
+
+    def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
+        """``"s2"`` is the default (transformers picks SDPA when none is requested, and the choice is not saved in
+        ``config.json``); implementations that cannot apply the sparse patterns are refused for sparse models."""
+        requested = S2_IMPLEMENTATION if requested_attention is None else requested_attention
+        if S2_ATTENTION in self.config.layer_types and requested not in SPARSE_CAPABLE_IMPLEMENTATIONS:
+            raise ValueError(
+                f"attn_implementation must be one of {SPARSE_CAPABLE_IMPLEMENTATIONS} for a model with sparse layers "
+                f"(sparsity of {self.config.layer_types.count(S2_ATTENTION)} layers), got {requested!r}"
+            )
+        return super().get_correct_attn_implementation(requested, is_init_check)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """``save_pretrained`` that also writes the remote code (through the config) and, when
+        ``s2_models.model_card`` is importable and no README exists yet, a model card."""
+        _write_model_card(self.config, save_directory)
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+
+def _write_model_card(config, save_directory) -> None:
+    try:  # only with the package installed; the remote copy does not carry the card renderer
+        from s2_models.model_card import render_model_card
+    except ImportError:
+        return
+    path = os.path.join(save_directory, "README.md")
+    if os.path.exists(path):
+        return
+    os.makedirs(save_directory, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(render_model_card(config))
+
+
+class S2LlamaModel(S2LlamaPreTrainedModel):
+    def __init__(self, config: S2LlamaConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [S2LlamaDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        r"""Llama's forward. Packed sequences: pass ``position_ids`` restarting at 0 per sequence, or the flash-attn
+        kwargs ``cu_seq_lens_q/k`` and ``max_length_q/k`` (``DataCollatorWithFlattening``), with no attention mask."""
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+
+        if inputs_embeds is None:
+            inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
+
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+
+        if position_ids is None:
+            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        # Like transformers, packing is read from position_ids only without a padding mask and without a cache.
+        if (
+            self.config._attn_implementation == S2_IMPLEMENTATION
+            and kwargs.get("cu_seq_lens_q") is None
+            and attention_mask is None
+            and past_key_values is None
+        ):
+            cu_seqlens = packed_cu_seqlens(position_ids.expand(inputs_embeds.shape[0], -1))
+            if cu_seqlens is not None:
+                max_length = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+                kwargs.update(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_length,
+                              max_length_k=max_length)
+
+        masks = self._attention_masks(inputs_embeds, attention_mask, past_key_values, position_ids, kwargs)
+
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=masks[decoder_layer.self_attn.s2_pattern or FULL_ATTENTION],
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                **kwargs,
+            )
+
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values,
+        )
+
+    def _attention_masks(self, inputs_embeds, attention_mask, past_key_values, position_ids, kwargs) -> dict:
+        """The mask of every layer, keyed ``"full_attention"`` for dense layers and by ``S2Pattern`` for sparse ones."""
+        full_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+        masks = {FULL_ATTENTION: full_mask}
+        patterns = {pattern for pattern in self.config.layer_patterns() if pattern is not None}
+        if self.config._attn_implementation == S2_IMPLEMENTATION:
+            masks.update(dict.fromkeys(patterns, full_mask))  # the padding mask; the kernels apply the pattern
+            return masks
+        if patterns and attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError("sparse layers build their own masks: pass a [B, T] padding mask, not a 4-D mask")
+
+        batch_size, q_length = inputs_embeds.shape[:2]
+        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        cu_seqlens = kwargs.get("cu_seq_lens_k")
+        if cu_seqlens is None and attention_mask is None and past_key_values is None:
+            cu_seqlens = packed_cu_seqlens(position_ids.expand(batch_size, -1))
+        segment, position = sequence_layout(
+            batch_size, past_seen + q_length, attention_mask, cu_seqlens, device=inputs_embeds.device
+        )
+        dtype = inputs_embeds.dtype if self.config._attn_implementation == "eager" else None
+        for pattern in patterns:
+            masks[pattern] = s2_reference_mask(
+                pattern, self.config.num_attention_heads, self.config.num_key_value_heads, q_length, segment,
+                position, dtype,
+            )
+        return masks
+
+
+class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: S2LlamaConfig):
+        super().__init__(config)
+        self.model = S2LlamaModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:
+        r"""Llama's causal-LM forward; see ``S2LlamaModel.forward`` for packed sequences.
+
+        Example:
+
+        ```python
+        >>> from s2_models import S2LlamaForCausalLM
+        >>> model = S2LlamaForCausalLM.from_pretrained(path_to_llama_checkpoint, sparsity=hybrid_sparsity(32))
+        ```"""
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+
+        hidden_states = outputs.last_hidden_state
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, slice_indices, :])
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+__all__ = ["S2LlamaForCausalLM", "S2LlamaModel", "S2LlamaPreTrainedModel"]
