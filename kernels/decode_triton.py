@@ -1,0 +1,231 @@
+"""Triton decode / chunked-prefill S2 attention over the compact cache of ``decode.py`` (flash-decoding style).
+
+Entry point ``decode_attention_triton(q, k_cache, v_cache, seq_lens, layout, num_ring, scale, num_splits)``.
+
+* One program = one (batch row, KV head, tile of query rows, KV split). Its query rows are the KV head's whole
+  query group times the ``Tq`` new tokens (row ``r`` = token ``r // G``, head ``r % G``), so each kept KV block
+  is read once per query group (GQA without copies).
+* Split-KV: the slots are cut into ``num_splits`` contiguous ranges; each program writes its normalized partial
+  output and log-sum-exp, and ``s2_decode_combine_kernel`` merges them. With one split the main kernel writes the
+  output directly.
+* The slot -> block map is inlined (``_slot_blocks``, the same rule as ``decode.slot_blocks``): no block table.
+
+Numerics: online softmax in base 2, fp32 accumulation, IEEE fp32 dots for fp32 inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .decode import CompactLayout
+from .triton_impl import _patch_interpreter_loop_bounds
+
+LOG2E = math.log2(math.e)
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter_loop_bounds()  # runtime loop bounds under NumPy >= 2.4 (see triton_impl.py)
+
+
+@triton.jit
+def _slot_blocks(slot, last, kv_residues, kv_rank, num_vertical, num_ring, RING_BLOCKS, VERT_STRIDE):
+    """Block held by each ``slot`` (``-1`` if empty) for a row whose newest block is ``last``."""
+    ring_block = slot + ((last - slot) // RING_BLOCKS) * RING_BLOCKS  # used only where slot <= last (no negatives)
+    ring_rank = tl.load(kv_rank + (tl.maximum(ring_block, 0) % VERT_STRIDE), mask=slot < num_ring, other=-1)
+    ring_ok = (slot < num_ring) & (slot <= last) & (ring_rank < 0)
+    v = tl.maximum(slot - num_ring, 0)
+    residue = tl.load(kv_residues + v % num_vertical, mask=slot >= num_ring, other=0)
+    vertical_block = (v // num_vertical) * VERT_STRIDE + residue
+    vertical_ok = (slot >= num_ring) & (vertical_block <= last)
+    block = tl.where(slot < num_ring, ring_block, vertical_block)
+    return tl.where(ring_ok | vertical_ok, block, -1)
+
+
+@triton.jit
+def s2_decode_fwd_kernel(
+    q, k_cache, v_cache, seq_lens, residues, ranks, counts, out, lse,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_os, stride_ob, stride_oh, stride_ot, stride_od,  # out [splits, B, Hq, Tq, D] (stride_os = 0: 1 split)
+    stride_ls, stride_lb, stride_lh, stride_lt,  # lse [splits, B, Hq, Tq] float32 (log2 units)
+    stride_rh,  # residues/ranks [Hkv, vert_stride]
+    num_kv_heads, seqlen_q, num_ring, num_slots, slots_per_split, qk_scale,
+    q_heads_per_kv, q_heads_per_pattern, num_pattern_heads, num_dense_heads, head_step, head_offset,
+    LOCAL_BLOCKS, RING_BLOCKS, VERT_STRIDE,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(num_splits, num_row_tiles, B * Hkv)``."""
+    split = tl.program_id(0)
+    row_tile = tl.program_id(1)
+    batch = tl.program_id(2) // num_kv_heads
+    kv_head = tl.program_id(2) % num_kv_heads
+    seq_len = tl.load(seq_lens + batch).to(tl.int32)
+    last = (seq_len - 1) // BLOCK_SIZE
+
+    rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] = token * G + head in group
+    t = rows // q_heads_per_kv
+    q_head = kv_head * q_heads_per_kv + rows % q_heads_per_kv
+    q_pos = seq_len - seqlen_q + t
+    row_real = (t < seqlen_q) & (q_pos >= 0)
+    q_block = tl.maximum(q_pos, 0) // BLOCK_SIZE
+    pattern_head = q_head // q_heads_per_pattern
+    dense_row = pattern_head >= num_pattern_heads - num_dense_heads
+    vertical_shift = pattern_head * head_step + head_offset
+
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q_ptrs = q + batch.to(tl.int64) * stride_qb + q_head.to(tl.int64)[:, None] * stride_qh
+    q_ptrs += t.to(tl.int64)[:, None] * stride_qt + d[None, :] * stride_qd
+    q_tile = tl.load(q_ptrs, mask=row_real[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    k_head = k_cache + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_head = v_cache + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    kv_residues = residues + kv_head.to(tl.int64) * stride_rh
+    kv_rank = ranks + kv_head.to(tl.int64) * stride_rh
+    num_vertical = tl.load(counts + kv_head)
+
+    m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    first = split * slots_per_split * BLOCK_SIZE
+    end = tl.minimum(num_slots, (split + 1) * slots_per_split) * BLOCK_SIZE
+    for start in range(first, end, BLOCK_N):
+        key_rows = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of the cache
+        block = _slot_blocks(key_rows // BLOCK_SIZE, last, kv_residues, kv_rank, num_vertical, num_ring,
+                             RING_BLOCKS, VERT_STRIDE)
+        k_pos = block * BLOCK_SIZE + key_rows % BLOCK_SIZE
+        key_ok = (key_rows < end) & (block >= 0) & (k_pos < seq_len)
+        k_ptrs = k_head + key_rows.to(tl.int64)[:, None] * stride_kt + d[None, :] * stride_kd
+        k_tile = tl.load(k_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        kept = (q_block[:, None] - block[None, :] < LOCAL_BLOCKS) | dense_row[:, None]
+        kept = kept | ((block[None, :] + vertical_shift[:, None]) % VERT_STRIDE == 0)
+        visible = kept & key_ok[None, :] & row_real[:, None] & (k_pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that saw nothing yet: avoid inf - inf
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_ptrs = v_head + key_rows.to(tl.int64)[:, None] * stride_vt + d[None, :] * stride_vd
+        v_tile = tl.load(v_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    row_ok = t < seqlen_q
+    o_ptrs = out + split.to(tl.int64) * stride_os + batch.to(tl.int64) * stride_ob
+    o_ptrs += q_head.to(tl.int64)[:, None] * stride_oh + t.to(tl.int64)[:, None] * stride_ot + d[None, :] * stride_od
+    tl.store(o_ptrs, (acc / l_safe[:, None]).to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    l_ptrs = lse + split.to(tl.int64) * stride_ls + batch.to(tl.int64) * stride_lb
+    l_ptrs += q_head.to(tl.int64) * stride_lh + t.to(tl.int64) * stride_lt
+    tl.store(l_ptrs, tl.where(seen, m_i + tl.math.log2(l_safe), -float("inf")), mask=row_ok)
+
+
+@triton.jit
+def s2_decode_combine_kernel(
+    partial, partial_lse, out,  # [splits, B, Hq, Tq, D] float32, [splits, B, Hq, Tq] float32 (log2), [B, Hq, Tq, D]
+    stride_ps, stride_pb, stride_ph, stride_pt, stride_pd,
+    stride_ls, stride_lb, stride_lh, stride_lt,
+    stride_ob, stride_oh, stride_ot, stride_od,
+    num_q_heads, seqlen_q, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Grid ``(cdiv(Tq, BLOCK_T), B * Hq)``: ``out = sum_s exp2(lse_s - lse) * out_s``."""
+    batch = tl.program_id(1) // num_q_heads
+    head = tl.program_id(1) % num_q_heads
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < seqlen_q
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    lse_base = partial_lse + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + t.to(tl.int64) * stride_lt
+    base = partial + batch.to(tl.int64) * stride_pb + head.to(tl.int64) * stride_ph
+    base += t.to(tl.int64)[:, None] * stride_pt + d[None, :] * stride_pd
+    m = tl.full([BLOCK_T], -float("inf"), dtype=tl.float32)
+    total = tl.zeros([BLOCK_T], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    for split in range(0, num_splits):
+        lse_s = tl.load(lse_base + split * stride_ls, mask=t_ok, other=-float("inf"))
+        m_new = tl.maximum(m, lse_s)
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m - m_safe)
+        w = tl.math.exp2(lse_s - m_safe)
+        o_s = tl.load(base + split * stride_ps, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + w[:, None] * o_s
+        total = total * alpha + w
+        m = m_new
+    result = acc / tl.where(total > 0, total, 1.0)[:, None]
+    o_ptrs = out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+    o_ptrs += t.to(tl.int64)[:, None] * stride_ot + d[None, :] * stride_od
+    tl.store(o_ptrs, result.to(out.dtype.element_ty), mask=t_ok[:, None] & d_ok[None, :])
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _choose_num_splits(programs: int, num_tiles: int, device: torch.device) -> int:
+    """Enough splits for about two waves of programs, each split keeping >= 4 key tiles of work."""
+    if device.type != "cuda":
+        return 1
+    target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(-(-target // programs), num_tiles // 4))
+
+
+def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout, num_ring: int, scale: float,
+                            num_splits: int | None):
+    """Backend of ``decode.s2_decode_attention`` (inputs validated there). Returns ``[B, Hq, Tq, D]``."""
+    b, hq, tq, d = q.shape
+    hkv, bs = layout.num_kv_heads, layout.block_size
+    num_slots = k_cache.shape[2] // bs
+    pattern = layout.pattern
+    residues, ranks, counts = layout.tables(q.device)
+    block_d = max(16, triton.next_power_of_2(d))
+    block_n = max(bs, 64)
+    rows = tq * layout.q_heads_per_kv
+    block_m = max(16, min(64, triton.next_power_of_2(rows)))
+    num_row_tiles = triton.cdiv(rows, block_m)
+    slots_per_tile = block_n // bs
+    num_tiles = triton.cdiv(num_slots, slots_per_tile)
+    if num_splits is None:
+        num_splits = _choose_num_splits(b * hkv * num_row_tiles, num_tiles, q.device)
+    num_splits = max(1, min(num_splits, num_tiles))
+    slots_per_split = triton.cdiv(num_tiles, num_splits) * slots_per_tile  # whole key tiles per split
+    num_splits = max(1, triton.cdiv(num_slots, slots_per_split))
+
+    out = torch.empty_like(q)
+    if num_splits == 1:
+        target = out.unsqueeze(0)  # [1, B, Hq, Tq, D]
+    else:
+        target = torch.empty(num_splits, b, hq, tq, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(num_splits, b, hq, tq, dtype=torch.float32, device=q.device)
+    s_os = target.stride(0) if num_splits > 1 else 0
+    num_heads = layout.num_pattern_heads
+    grid = (num_splits, num_row_tiles, b * hkv)
+    s2_decode_fwd_kernel[grid](
+        q, k_cache, v_cache, seq_lens, residues, ranks, counts, target, lse,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        s_os, *target.stride()[1:], *lse.stride(), residues.stride(0),
+        hkv, tq, num_ring, num_slots, slots_per_split, scale * LOG2E,
+        layout.q_heads_per_kv, layout.q_heads_per_pattern, num_heads, pattern.num_dense_heads,
+        pattern.head_step(num_heads), pattern.head_sliding_offset,
+        pattern.local_blocks, layout.ring_blocks, pattern.vert_stride,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        block_t = max(1, min(16, triton.next_power_of_2(tq)))
+        s2_decode_combine_kernel[(triton.cdiv(tq, block_t), b * hq)](
+            target, lse, out, *target.stride(), *lse.stride(), *out.stride(),
+            hq, tq, num_splits, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_T=block_t, num_warps=4,
+        )
+    return out
