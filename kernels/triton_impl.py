@@ -101,18 +101,28 @@ def _visible(mask_head, q_pos, k_pos, valid, stride_mm, stride_mn, BLOCK_SIZE: t
 
 
 @triton.jit
+def _row_mask(row_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``[rows, BLOCK_D]`` mask. Without D padding it is constant along D, which keeps the loads vectorized (and
+    eligible for cp.async pipelining); a per-column ``d < HEAD_DIM`` term would force element-wise accesses."""
+    if HEAD_DIM == BLOCK_D:
+        return row_ok[:, None]
+    else:
+        return row_ok[:, None] & (tl.arange(0, BLOCK_D) < HEAD_DIM)[None, :]
+
+
+@triton.jit
 def _load_rows(base, rows, row_ok, stride_t, stride_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Load ``[len(rows), BLOCK_D]`` (zero for rows not ok and for the D padding)."""
     d = tl.arange(0, BLOCK_D)
     ptrs = base + rows.to(tl.int64)[:, None] * stride_t + d[None, :] * stride_d
-    return tl.load(ptrs, mask=row_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    return tl.load(ptrs, mask=_row_mask(row_ok, HEAD_DIM, BLOCK_D), other=0.0)
 
 
 @triton.jit
 def _store_rows(base, value, rows, row_ok, stride_t, stride_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     d = tl.arange(0, BLOCK_D)
     ptrs = base + rows.to(tl.int64)[:, None] * stride_t + d[None, :] * stride_d
-    tl.store(ptrs, value.to(base.dtype.element_ty), mask=row_ok[:, None] & (d < HEAD_DIM)[None, :])
+    tl.store(ptrs, value.to(base.dtype.element_ty), mask=_row_mask(row_ok, HEAD_DIM, BLOCK_D))
 
 
 @triton.jit
@@ -175,7 +185,7 @@ def s2_attention_fwd_kernel(
     first_pos = seqlen_k - seqlen_q  # bottom-right alignment: absolute position of query row 0
     # Heaviest (latest) tiles first: they are scheduled first, which shortens the tail of the launch.
     tile = first_pos // BLOCK_M + tl.num_programs(0) - 1 - tl.program_id(0)
-    if seqlen_q == 0 or tile * BLOCK_M >= seqlen_k:
+    if (seqlen_q == 0) | (tile * BLOCK_M >= seqlen_k):
         return
     pattern_head = q_head // q_heads_per_pattern
     kv_head = q_head // q_heads_per_kv
@@ -305,7 +315,7 @@ def s2_attention_bwd_dq_kernel(
     )
     first_pos = seqlen_k - seqlen_q
     tile = first_pos // BLOCK_M + tl.num_programs(0) - 1 - tl.program_id(0)
-    if seqlen_q == 0 or tile * BLOCK_M >= seqlen_k:
+    if (seqlen_q == 0) | (tile * BLOCK_M >= seqlen_k):
         return
     pattern_head = q_head // q_heads_per_pattern
     kv_head = q_head // q_heads_per_kv
@@ -561,7 +571,8 @@ _CANDIDATES = {
                         TileConfig(64, 64, 8, 2)],
 }
 
-_TUNED_CONFIGS: dict = {}
+_TUNED_CONFIGS: dict = {}  # (kernel, *shape key) -> winning TileConfig
+TUNING_TIMINGS: dict = {}  # (kernel, *shape key) -> {TileConfig: median ms}, for bench/NOTES.md
 
 
 def _interpreting(device: torch.device) -> bool:
@@ -572,12 +583,15 @@ def _pick_config(kind: str, key: tuple, head_dim: int, device: torch.device, lau
     """The fastest candidate for ``key`` (timed once with ``do_bench``, then cached); fixed under the interpreter.
 
     ``launch(config)`` must run the kernel with that config (outputs are overwritten by the final launch).
+    ``S2_ATTENTION_AUTOTUNE=0`` skips the timing and takes the first candidate (fast start-up, e.g. in tests).
     """
     if _interpreting(device):
         return INTERPRETER_CONFIGS[kind]
+    size = "small" if head_dim <= 64 else "medium" if head_dim <= 128 else "large"
+    if os.environ.get("S2_ATTENTION_AUTOTUNE", "1") == "0":
+        return _CANDIDATES[(kind, size)][0]
     full_key = (kind, *key)
     if full_key not in _TUNED_CONFIGS:
-        size = "small" if head_dim <= 64 else "medium" if head_dim <= 128 else "large"
         timings = {}
         for config in _CANDIDATES[(kind, size)]:
             try:
@@ -588,6 +602,7 @@ def _pick_config(kind: str, key: tuple, head_dim: int, device: torch.device, lau
                 continue
         if not timings:
             raise RuntimeError(f"no {kind} tile config fits head_dim={head_dim} on this GPU")
+        TUNING_TIMINGS[full_key] = timings
         _TUNED_CONFIGS[full_key] = min(timings, key=timings.get)
     return _TUNED_CONFIGS[full_key]
 

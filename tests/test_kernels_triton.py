@@ -24,6 +24,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ABS_FLOOR = {torch.float32: 2e-5, torch.float16: 2e-4, torch.bfloat16: 2e-3}
 
 
+@pytest.fixture(autouse=True)
+def no_autotuning(monkeypatch):
+    """Timing tile candidates for every test shape would dominate the GPU tests: use the default tiles."""
+    monkeypatch.setenv("S2_ATTENTION_AUTOTUNE", "0")
+
+
 def _make_inputs(seed, batch, q_heads, kv_heads, q_len, k_len, head_dim, dtype, device=DEVICE):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, q_heads, q_len, head_dim, generator=gen)

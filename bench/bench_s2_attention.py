@@ -1,0 +1,224 @@
+"""Benchmark the Triton S2-Attention kernels against dense SDPA (FlashAttention-2, cuDNN) and FlexAttention.
+
+GPU only. Writes ``bench/results/<gpu>-<date>.json`` and prints a markdown table::
+
+    python bench/bench_s2_attention.py            # everything (~20 min on an H100)
+    python bench/bench_s2_attention.py --quick    # headline at T=131072 + short sweeps (< 8 min)
+
+Headline: H=32, D=128, bf16, causal, B x T = 131072 tokens; pattern block 64, local_blocks 16, vert_stride 16,
+heterogeneous heads; forward and forward+backward. Throughput columns:
+
+* dense TFLOP/s: the FLOPs of dense causal attention (``flops``) over the time: comparable across methods;
+* effective TFLOP/s: the FLOPs of the blocks the sparse kernel computes (kept blocks, whole) over the time;
+* density: the kept fraction of the causal token pairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+from s2_models.kernels import S2Pattern, s2_attention, triton_impl
+
+TOKENS = 131072
+HEADLINE = dict(heads=32, head_dim=128, block_size=64, local_blocks=16, vert_stride=16)
+
+
+def flops(batch: int, heads: int, seqlen: int, head_dim: int, mode: str) -> float:
+    """Dense causal attention FLOPs: ``4 * B * H * T^2 * D / 2`` forward, x2.5 for forward+backward."""
+    forward = 4 * batch * heads * seqlen * seqlen * head_dim / 2
+    return forward if mode == "fwd" else 2.5 * forward
+
+
+def computed_flops(pattern: S2Pattern, batch: int, heads: int, kv_heads: int, seqlen: int, head_dim: int, mode: str):
+    """FLOPs of the kept blocks, each counted whole (what a block-sparse kernel computes), over all query heads."""
+    pattern_heads = pattern.num_pattern_heads(heads, kv_heads)
+    num_blocks = triton.cdiv(seqlen, pattern.block_size)
+    kept_blocks = pattern.block_mask(pattern_heads, num_blocks, num_blocks).sum().item() * (heads // pattern_heads)
+    forward = 4 * batch * kept_blocks * pattern.block_size**2 * head_dim
+    return forward if mode == "fwd" else 2.5 * forward
+
+
+def density(pattern: S2Pattern, heads: int, kv_heads: int, seqlen: int) -> float:
+    """Kept fraction of the causal token pairs, from the block mask (``kept_fraction`` would build T x T masks)."""
+    pattern_heads = pattern.num_pattern_heads(heads, kv_heads)
+    num_blocks = triton.cdiv(seqlen, pattern.block_size)
+    kept = pattern.block_mask(pattern_heads, num_blocks, num_blocks)
+    block = pattern.block_size
+    diagonal = kept.diagonal(dim1=1, dim2=2).sum().item()
+    pairs = (kept.sum().item() - diagonal) * block * block + diagonal * block * (block + 1) // 2
+    return pairs / (pattern_heads * seqlen * (seqlen + 1) / 2)
+
+
+def median_ms(fn, budget_ms: float) -> float:
+    """Median of many runs (``do_bench``), with fewer repetitions for slow calls so every case fits the budget."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    once_ms = (time.perf_counter() - start) * 1e3
+    rep = max(3 * once_ms, min(budget_ms, 40 * once_ms))
+    return triton.testing.do_bench(fn, warmup=max(once_ms, 10), rep=rep, return_mode="median")
+
+
+def make_runner(attention, q, k, v, mode: str):
+    """A zero-argument callable running ``attention(q, k, v)`` forward, or forward+backward (fresh grads)."""
+    if mode == "fwd":
+        return lambda: attention(q, k, v)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    grad_out = torch.randn_like(q)
+
+    def forward_backward():
+        out = attention(*leaves)
+        torch.autograd.grad(out, leaves, grad_out)
+
+    return forward_backward
+
+
+def sdpa(backend):
+    from torch.nn.attention import sdpa_kernel
+
+    def attention(q, k, v):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                    enable_gqa=k.shape[1] != q.shape[1])
+
+    return attention
+
+
+def flex(pattern: S2Pattern, heads: int, kv_heads: int, seqlen: int, flex_block: int):
+    """FlexAttention with the identical mask (S2 block mask + token causal) through a mask_mod."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    pattern_heads = pattern.num_pattern_heads(heads, kv_heads)
+    num_blocks = triton.cdiv(seqlen, pattern.block_size)
+    kept = pattern.block_mask(pattern_heads, num_blocks, num_blocks, device="cuda")
+    heads_per_pattern, block_size = heads // pattern_heads, pattern.block_size
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kept[h // heads_per_pattern, q_idx // block_size, kv_idx // block_size] & (kv_idx <= q_idx)
+
+    block_mask = create_block_mask(mask_mod, None, heads, seqlen, seqlen, device="cuda", BLOCK_SIZE=flex_block,
+                                   _compile=True)
+    compiled = torch.compile(flex_attention, dynamic=False)
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, enable_gqa=kv_heads != heads)
+
+
+def s2(pattern: S2Pattern):
+    return lambda q, k, v: s2_attention(q, k, v, pattern, backend="triton")
+
+
+def run_case(rows, section, impl, attention_factory, pattern, batch, heads, kv_heads, seqlen, head_dim, modes, budget):
+    dtype = torch.bfloat16
+    q = torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(batch, kv_heads, seqlen, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn(batch, kv_heads, seqlen, head_dim, device="cuda", dtype=dtype)
+    kept = density(pattern, heads, kv_heads, seqlen)
+    try:
+        attention = attention_factory()
+    except Exception as error:  # a baseline unavailable on this GPU/torch: record, keep going
+        attention, setup_error = None, f"{type(error).__name__}: {error}"[:300]
+    for mode in modes:
+        row = dict(section=section, impl=impl, batch=batch, seqlen=seqlen, heads=heads, kv_heads=kv_heads,
+                   head_dim=head_dim, block_size=pattern.block_size, mode=mode, density=round(kept, 4))
+        try:
+            if attention is None:
+                raise RuntimeError(setup_error)
+            ms = median_ms(make_runner(attention, q, k, v, mode), budget)
+            dense = flops(batch, heads, seqlen, head_dim, mode)
+            effective = computed_flops(pattern, batch, heads, kv_heads, seqlen, head_dim, mode)
+            row.update(ms=round(ms, 3), dense_tflops=round(dense / ms / 1e9, 1))
+            if impl.startswith(("s2", "flex")):
+                row["effective_tflops"] = round(effective / ms / 1e9, 1)
+        except Exception as error:
+            row["error"] = f"{type(error).__name__}: {error}"[:300]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    del q, k, v
+    torch.cuda.empty_cache()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="headline at T=131072 and short sweeps (< 8 min)")
+    parser.add_argument("--sections", default="headline,blocks,headdim,gqa")
+    parser.add_argument("--seqlens", default=None, help="comma-separated headline T (default 8192,32768,131072)")
+    parser.add_argument("--baselines", default="flash,cudnn,flex")
+    parser.add_argument("--flex-blocks", default=None, help="FlexAttention BLOCK_SIZEs, best is kept (128,64)")
+    parser.add_argument("--sweep-seqlen", type=int, default=None, help="T of the sweeps (default 32768)")
+    parser.add_argument("--budget-ms", type=float, default=None, help="timing budget per measurement")
+    args = parser.parse_args()
+    seqlens = [int(t) for t in (args.seqlens or ("131072" if args.quick else "8192,32768,131072")).split(",")]
+    flex_blocks = [int(b) for b in (args.flex_blocks or ("128" if args.quick else "128,64")).split(",")]
+    sweep_seqlen = args.sweep_seqlen or (16384 if args.quick else 32768)
+    budget = args.budget_ms or (400 if args.quick else 1500)
+    sections, baselines = args.sections.split(","), args.baselines.split(",")
+    modes = ("fwd", "fwd+bwd")
+    rows: list[dict] = []
+    from torch.nn.attention import SDPBackend
+
+    if "headline" in sections:
+        pattern = S2Pattern(block_size=HEADLINE["block_size"], local_blocks=HEADLINE["local_blocks"],
+                            vert_stride=HEADLINE["vert_stride"])
+        heads, head_dim = HEADLINE["heads"], HEADLINE["head_dim"]
+        for seqlen in seqlens:
+            batch = max(1, TOKENS // seqlen)
+            shape = (pattern, batch, heads, heads, seqlen, head_dim, modes, budget)
+            run_case(rows, "headline", "s2-triton", lambda p=pattern: s2(p), *shape)
+            if "flash" in baselines:
+                run_case(rows, "headline", "sdpa-flash2", lambda: sdpa(SDPBackend.FLASH_ATTENTION), *shape)
+            if "cudnn" in baselines:
+                run_case(rows, "headline", "sdpa-cudnn", lambda: sdpa(SDPBackend.CUDNN_ATTENTION), *shape)
+            if "flex" in baselines:
+                for flex_block in flex_blocks:
+                    run_case(rows, "headline", f"flex-{flex_block}",
+                             lambda fb=flex_block, t=seqlen: flex(pattern, heads, heads, t, fb), *shape)
+
+    sweeps = []
+    if "blocks" in sections:  # Merge-Q / gather: small blocks should keep >= 0.7x the throughput of block 64
+        for block_size in (16, 32, 64, 128):
+            local = HEADLINE["local_blocks"] * 64 // block_size  # same window in tokens
+            sweeps.append(("blocks", S2Pattern(block_size=block_size, local_blocks=local, vert_stride=16), 32, 32, 128))
+    if "headdim" in sections:
+        for head_dim in (64, 128, 256):
+            sweeps.append(("headdim", S2Pattern(block_size=64, local_blocks=16, vert_stride=16), 32, 32, head_dim))
+    if "gqa" in sections:
+        sweeps.append(("gqa", S2Pattern(block_size=64, local_blocks=16, vert_stride=16), 32, 8, 128))
+    for section, pattern, heads, kv_heads, head_dim in sweeps:
+        batch = max(1, TOKENS // sweep_seqlen)
+        run_case(rows, section, "s2-triton", lambda p=pattern: s2(p), pattern, batch, heads, kv_heads, sweep_seqlen,
+                 head_dim, modes, budget)
+
+    gpu = torch.cuda.get_device_name().replace(" ", "-")
+    out_dir = Path(__file__).resolve().parent / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{gpu}-{datetime.date.today().isoformat()}.json"
+    tuned = {" ".join(map(str, key)): {str(c): round(ms, 3) for c, ms in timings.items()}
+             for key, timings in triton_impl.TUNING_TIMINGS.items()}
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                argv=sys.argv[1:], tuning=tuned)
+    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], path.name).write_text(path.read_text())
+    print(f"\nwrote {path}\n")
+    print("| section | impl | B x T | Hq/Hkv | D | bs | mode | ms | dense TFLOP/s | eff. TFLOP/s | density |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ms = r.get("ms", r.get("error", "")[:40])
+        print(f"| {r['section']} | {r['impl']} | {r['batch']}x{r['seqlen']} | {r['heads']}/{r['kv_heads']} | "
+              f"{r['head_dim']} | {r['block_size']} | {r['mode']} | {ms} | {r.get('dense_tflops', '')} | "
+              f"{r.get('effective_tflops', '')} | {r['density']} |")
+
+
+if __name__ == "__main__":
+    main()
