@@ -16,12 +16,15 @@ Padding: ``attention_mask`` is the 2-D ``[B, past + Tq]`` key padding mask (1 = 
 maintains, or ``None`` (no padding). Rows are left padded; each row's positions count from its first real token,
 where its pattern is anchored (so a batch generates what each prompt generates alone). A right-padded prompt can
 be prefilled (its attention is exact) but not extended: generation needs left padding.
+
+The reference implementations (``attn_implementation="sdpa"``/``"eager"``) read every past key: they call the
+standard ``update``, and the layer then keeps everything like a ``DynamicLayer``. The first call decides the mode.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import CacheLayerMixin, DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from .kernels.decode import CompactLayout, block_slots, ring_blocks_for, s2_decode_attention, slot_blocks
 from .kernels.interface import s2_attention
@@ -30,9 +33,10 @@ from .kernels.pattern import S2Pattern
 S2_LAYER_TYPE = "s2_attention"
 
 
-class S2CacheLayer(CacheLayerMixin):
-    """Compact cache of one S2 layer (see the module docstring). Created empty; the first ``update_and_attend``
-    fixes its pattern, head counts, head dim and dtype, and later calls must agree (a cache belongs to one model)."""
+class S2CacheLayer(DynamicLayer):
+    """Cache of one S2 layer (see the module docstring). Created empty; the first ``update_and_attend`` makes it
+    compact and fixes its pattern, head counts, head dim and dtype, and later calls must agree (a cache belongs to
+    one model). A first ``update`` instead makes it a plain ``DynamicLayer`` (full keys, for reference attention)."""
 
     _layer_type = S2_LAYER_TYPE  # registers the class in transformers' DYNAMIC_LAYER_TYPE_MAPPING
     is_sliding = False
@@ -41,6 +45,10 @@ class S2CacheLayer(CacheLayerMixin):
     def __init__(self, **kwargs):
         super().__init__()
         self._reset_state()
+
+    @property
+    def is_compact(self) -> bool:
+        return self.layout is not None
 
     def _reset_state(self):
         self.keys = self.values = None
@@ -55,30 +63,25 @@ class S2CacheLayer(CacheLayerMixin):
         return f"{type(self).__name__}(layout={self.layout}, num_seen={self.num_seen})"
 
     # ------------------------------------------------------------------ transformers' layer API
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-
     def update(self, key_states, value_states, *args, **kwargs):
-        raise ValueError(
-            "S2CacheLayer keeps only the KV blocks S2 attention can still read, so it cannot return all past keys: "
-            "it is filled by S2 attention through update_and_attend. Run the model with its S2 attention, or pass a "
-            "cache without S2 layers (DynamicCache() without config) to attend densely."
-        )
+        """transformers' contract (return every past key): the full-keeping mode of the reference attentions."""
+        if self.is_compact:
+            raise ValueError(
+                "this S2 cache layer is compact (filled by S2 attention): it keeps only the KV blocks S2 can still "
+                "read and cannot return all past keys. Use one attention implementation per cache."
+            )
+        return super().update(key_states, value_states, *args, **kwargs)
 
     def get_seq_length(self) -> int:
-        return self.num_seen
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.num_seen + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
+        return self.num_seen if self.is_compact else super().get_seq_length()
 
     def reset(self) -> None:
         self._reset_state()
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove != 0 and self.num_seen > 0:
+        if not self.is_compact:
+            return super().crop(tokens_to_remove)
+        if tokens_to_remove != 0:
             raise ValueError(
                 "an S2 cache cannot be cropped: blocks no future query reads are already evicted (assisted or "
                 "speculative generation needs DynamicCache() without config)"
@@ -93,13 +96,14 @@ class S2CacheLayer(CacheLayerMixin):
     def batch_repeat_interleave(self, repeats: int) -> None:
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
-        if self.keys is not None:
+        if self.keys is not None and self.keys.numel():
             self.keys = self.keys.repeat_interleave(repeats, dim=0)
             self.values = self.values.repeat_interleave(repeats, dim=0)
-            self.seq_lens = self.seq_lens.repeat_interleave(repeats, dim=0)
+            if self.is_compact:
+                self.seq_lens = self.seq_lens.repeat_interleave(repeats, dim=0)
 
     def _select_rows(self, index: torch.Tensor, name: str, allow_resize: bool = False) -> None:
-        if self.keys is None:
+        if self.keys is None or not self.keys.numel():
             return
         batch = self.keys.shape[0]
         if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.is_floating_point():
@@ -111,7 +115,8 @@ class S2CacheLayer(CacheLayerMixin):
         index = index.to(self.keys.device)
         self.keys = self.keys.index_select(0, index)
         self.values = self.values.index_select(0, index)
-        self.seq_lens = self.seq_lens.index_select(0, index)
+        if self.is_compact:
+            self.seq_lens = self.seq_lens.index_select(0, index)
 
     # ------------------------------------------------------------------ S2 attention with the cache
     def update_and_attend(
@@ -130,6 +135,11 @@ class S2CacheLayer(CacheLayerMixin):
         tokens, RoPE applied) -> ``[B, Hq, Tq, D]``. ``attention_mask``: ``[B, past + Tq]`` key padding mask or
         ``None``. Positions beyond ``max_position_embeddings`` (when given) are a ``ValueError``."""
         self._check_call(query, key, value, pattern)
+        if not self.is_compact and self.is_initialized:
+            raise ValueError(
+                "this S2 cache layer keeps full keys (filled by a reference attention through update): it cannot "
+                "switch to S2 attention. Use one attention implementation per cache."
+            )
         batch, _, tq, _ = query.shape
         num_seen = self.num_seen + tq
         if max_position_embeddings is not None and num_seen > max_position_embeddings:
