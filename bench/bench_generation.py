@@ -1,0 +1,152 @@
+"""Generation benchmark (GPU): compact S2 KV cache vs dense DynamicCache, decode/prefill speed vs dense SDPA Llama.
+
+    python bench/bench_generation.py --out bench/results/generation_h100.json
+
+A ~1B-parameter hybrid (Llama-3.2-1B shapes, random weights, bf16): 16 layers, layers 0-1 dense, the others S2
+(block 64, local 16 blocks = 1024 tokens, every 16th block). The dense baseline is the same model with every layer
+dense under SDPA. Each section records its error instead of aborting the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+
+import torch
+
+from s2_models import S2LlamaConfig, S2LlamaForCausalLM, hybrid_sparsity
+from s2_models.cache_s2_llama import S2CacheLayer, kv_cache_bytes
+from s2_models.kernels.decode import s2_decode_attention
+
+PATTERN = {"block_size": 64, "local_blocks": 16, "vert_stride": 16}
+SHAPES = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+              num_key_value_heads=8, head_dim=64, max_position_embeddings=140_000, tie_word_embeddings=True)
+
+
+def build(dense: bool) -> S2LlamaForCausalLM:
+    sparsity = "dense" if dense else hybrid_sparsity(16, PATTERN, dense_layers=(0, 1))
+    config = S2LlamaConfig(**SHAPES, sparsity=sparsity)
+    model = S2LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    model.set_attn_implementation("sdpa" if dense else "s2")
+    return model
+
+
+def timed(fn, repeats=1):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        result = fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats, result
+
+
+@torch.no_grad()
+def prefill(model, batch, length):
+    ids = torch.randint(0, SHAPES["vocab_size"], (batch, length), device="cuda")
+    seconds, out = timed(lambda: model(ids, use_cache=True, logits_to_keep=1))
+    return seconds, out
+
+
+@torch.no_grad()
+def decode_step_seconds(model, cache, batch, steps=32):
+    token = torch.randint(0, SHAPES["vocab_size"], (batch, 1), device="cuda")
+    model(token, past_key_values=cache, use_cache=True)  # warm-up
+    seconds, _ = timed(lambda: model(token, past_key_values=cache, use_cache=True, logits_to_keep=1), steps)
+    return seconds
+
+
+def section(results, name, fn):
+    try:
+        results[name] = fn()
+    except Exception as e:  # noqa: BLE001 - a benchmark records failures and goes on
+        results[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
+    torch.cuda.empty_cache()
+    print(name, json.dumps(results[name], indent=1)[:1500], flush=True)
+
+
+def memory(sparse, length):
+    _, out = prefill(sparse, 1, length)
+    sizes = kv_cache_bytes(out.past_key_values)
+    num_sparse = sum(isinstance(layer, S2CacheLayer) for layer in out.past_key_values.layers)
+    per_layer_dense = 2 * SHAPES["num_key_value_heads"] * length * SHAPES["head_dim"] * 2  # K and V, bf16
+    from s2_models.kernels.pattern import S2Pattern
+
+    pattern = S2Pattern(**PATTERN)
+    blocks = -(-length // pattern.block_size)
+    kept_blocks = min(blocks, pattern.local_blocks) + max(0, blocks - pattern.local_blocks) // pattern.vert_stride
+    return {
+        "context": length,
+        "dense_dynamic_cache_bytes": per_layer_dense * SHAPES["num_hidden_layers"],
+        "s2_model_cache_bytes": sizes["dense"] + sizes["s2"],
+        "sparse_layers_bytes": sizes["s2"],
+        "sparse_layers_fraction_of_dense": sizes["s2"] / (per_layer_dense * num_sparse),
+        "theoretical_kept_fraction": kept_blocks / blocks,
+        "whole_model_ratio": (sizes["dense"] + sizes["s2"]) / (per_layer_dense * SHAPES["num_hidden_layers"]),
+    }
+
+
+def speed(model, batch, length):
+    prefill_s, out = prefill(model, batch, length)
+    cache = out.past_key_values
+    del out
+    step = decode_step_seconds(model, cache, batch)
+    return {"batch": batch, "prompt": length, "prefill_s": prefill_s, "decode_step_ms": step * 1e3,
+            "decode_tokens_per_s": batch / step}
+
+
+def kernel_bandwidth(sparse, batch, length):
+    _, out = prefill(sparse, batch, length)
+    layer = next(layer for layer in out.past_key_values.layers if isinstance(layer, S2CacheLayer))
+    q = torch.randn(batch, SHAPES["num_attention_heads"], 1, SHAPES["head_dim"], device="cuda", dtype=torch.bfloat16)
+    run = lambda: s2_decode_attention(q, layer.keys, layer.values, layer.seq_lens, layout=layer.layout,  # noqa: E731
+                                      num_ring_slots=layer.num_ring)
+    run()
+    seconds, _ = timed(run, 200)
+    read = layer.keys.numel() * 2 * 2  # K and V, bf16
+    src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copy_s, _ = timed(lambda: dst.copy_(src), 50)
+    copy_bw = 2 * src.numel() / copy_s
+    return {"batch": batch, "context": length, "bytes_read": read, "seconds": seconds,
+            "achieved_GBps": read / seconds / 1e9, "copy_GBps": copy_bw / 1e9,
+            "fraction_of_copy_bandwidth": read / seconds / copy_bw}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--sections", default="memory32k,memory128k,speed,bandwidth")
+    args = parser.parse_args()
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": SHAPES,
+               "pattern": PATTERN}
+    wanted = args.sections.split(",")
+    sparse = build(dense=False)
+    results["parameters"] = sum(p.numel() for p in sparse.parameters())
+    if "memory32k" in wanted:
+        section(results, "memory_32k", lambda: memory(sparse, 32768))
+    if "memory128k" in wanted:
+        section(results, "memory_128k", lambda: memory(sparse, 131072))
+    if "bandwidth" in wanted:
+        section(results, "decode_kernel_bandwidth_b8_32k", lambda: kernel_bandwidth(sparse, 8, 32768))
+    if "speed" in wanted:
+        for batch in (1, 8):
+            section(results, f"s2_speed_b{batch}_32k", lambda b=batch: speed(sparse, b, 32768))
+        del sparse
+        torch.cuda.empty_cache()
+        dense = build(dense=True)
+        for batch in (1, 8):
+            section(results, f"dense_sdpa_speed_b{batch}_32k", lambda b=batch: speed(dense, b, 32768))
+        for batch in (1, 8):
+            s2, dn = results.get(f"s2_speed_b{batch}_32k", {}), results.get(f"dense_sdpa_speed_b{batch}_32k", {})
+            if "decode_step_ms" in s2 and "decode_step_ms" in dn:
+                results[f"decode_speedup_b{batch}"] = dn["decode_step_ms"] / s2["decode_step_ms"]
+                results[f"prefill_speedup_b{batch}"] = dn["prefill_s"] / s2["prefill_s"]
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

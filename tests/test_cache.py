@@ -1,0 +1,124 @@
+"""The compact S2 cache: incremental attention equals full attention, memory is the kept fraction, generate()."""
+
+import random
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from s2_models import S2LlamaConfig, S2LlamaForCausalLM, hybrid_sparsity
+from s2_models.cache_s2_llama import S2CacheLayer, kv_cache_bytes
+from s2_models.kernels.naive import naive_s2_attention
+from s2_models.kernels.pattern import S2Pattern
+
+PATTERN = S2Pattern(block_size=16, local_blocks=2, vert_stride=3)
+
+
+def run_chunks(layer, q, k, v, pattern, chunks, mask=None, backend="torch"):
+    outs, t = [], 0
+    for size in chunks:
+        e = t + size
+        m = None if mask is None else mask[:, :e]
+        outs.append(layer.update_and_attend(q[:, :, t:e], k[:, :, t:e], v[:, :, t:e], pattern, attention_mask=m,
+                                            backend=backend))
+        t = e
+    return torch.cat(outs, 2)
+
+
+@pytest.mark.parametrize("pattern", [PATTERN, S2Pattern(block_size=16, local_blocks=1, vert_stride=4, per_query_head=True)])
+def test_incremental_attention_equals_full_attention_left_padded(pattern):
+    b, hq, hkv, d, t = 3, 4, 2, 16, 170
+    q = torch.randn(b, hq, t, d, dtype=torch.float64)
+    k, v = (torch.randn(b, hkv, t, d, dtype=torch.float64) for _ in range(2))
+    pads = torch.tensor([0, 37, 90])
+    mask = torch.arange(t)[None, :] >= pads[:, None]
+    prompt = random.randint(20, 60)
+    chunks = [prompt, 1, 1, 23, 1, 40] + [1] * (t - prompt - 66)
+    out = run_chunks(S2CacheLayer(), q, k, v, pattern, chunks, mask)
+    ref, _ = naive_s2_attention(q, k, v, pattern, attention_mask=mask)
+    torch.testing.assert_close(out, ref.masked_fill(~mask[:, None, :, None], 0), atol=1e-10, rtol=0)
+
+
+def test_triton_interpreter_incremental_fp32():
+    b, hq, hkv, d, t = 2, 4, 2, 32, 120
+    q = torch.randn(b, hq, t, d)
+    k, v = (torch.randn(b, hkv, t, d) for _ in range(2))
+    out = run_chunks(S2CacheLayer(), q, k, v, PATTERN, [50, 1, 9, 1, 1], backend="triton")
+    ref, _ = naive_s2_attention(q, k, v, PATTERN)
+    torch.testing.assert_close(out.double(), ref[:, :, :62], atol=1e-5, rtol=0)
+
+
+def test_memory_is_the_kept_fraction():
+    pattern = S2Pattern(block_size=16, local_blocks=4, vert_stride=8)
+    layer, hkv, d, n = S2CacheLayer(), 4, 16, 4096
+    k = torch.randn(1, hkv, n, d)
+    layer.update_and_attend(torch.randn(1, hkv, n, d), k, k, pattern)
+    blocks = n // 16
+    for step in range(40):  # decode keeps the size bounded
+        x = torch.randn(1, hkv, 1, d)
+        layer.update_and_attend(x, x, x, pattern)
+    blocks = (n + 40 + 15) // 16
+    kept = pattern.local_blocks + blocks // pattern.vert_stride  # window + vertical blocks, per head
+    assert layer.keys.shape[2] // 16 <= 1.1 * kept
+    assert layer.get_seq_length() == n + 40
+
+
+def test_reorder_select_and_errors():
+    layer = S2CacheLayer()
+    x = torch.randn(2, 2, 40, 16)
+    layer.update_and_attend(x, x, x, PATTERN)
+    with pytest.raises(ValueError, match="beam_idx"):
+        layer.reorder_cache(torch.tensor([0, 1, 1]))
+    layer.reorder_cache(torch.tensor([1, 1]))
+    assert torch.equal(layer.keys[0], layer.keys[1])
+    y = torch.randn(3, 2, 1, 16)
+    with pytest.raises(ValueError, match="batch size"):
+        layer.update_and_attend(y, y, y, PATTERN)
+    y = torch.randn(2, 2, 1, 16)
+    with pytest.raises(ValueError, match="another model"):
+        layer.update_and_attend(y, y, y, S2Pattern(block_size=16, local_blocks=3, vert_stride=3))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        layer.update_and_attend(y, y, y, PATTERN, max_position_embeddings=40)
+    with pytest.raises(ValueError, match="compact"):
+        layer.update(y, y)
+    with pytest.raises(ValueError, match="cropped"):
+        layer.crop(-1)
+    right = S2CacheLayer()
+    right.update_and_attend(x, x, x, PATTERN, attention_mask=torch.arange(40)[None].expand(2, -1) < 30)
+    with pytest.raises(ValueError, match="right-padded"):
+        right.update_and_attend(y, y, y, PATTERN)
+
+
+# ------------------------------------------------------------------------------------------------ generate()
+def tiny_model(**overrides):
+    config = S2LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                           sparsity=hybrid_sparsity(3, PATTERN.to_dict(), dense_layers=(0,)), **overrides)
+    return S2LlamaForCausalLM(config).eval()
+
+
+def test_generate_uses_the_compact_cache_and_equals_recomputation():
+    model = tiny_model()
+    ids = torch.randint(3, 100, (1, 150))
+    out = model.generate(ids, max_new_tokens=30, do_sample=False, return_dict_in_generate=True, pad_token_id=0,
+                         eos_token_id=None)
+    cache = out.past_key_values
+    assert isinstance(cache.layers[0], DynamicLayer) and not isinstance(cache.layers[0], S2CacheLayer)
+    assert all(isinstance(layer, S2CacheLayer) and layer.is_compact for layer in cache.layers[1:])
+    sizes = kv_cache_bytes(cache)
+    assert sizes["s2"] < sizes["dense"] * 2 * 0.6  # two sparse layers hold less than one dense layer's 60%
+    recomputed = model.generate(ids, max_new_tokens=30, do_sample=False, use_cache=False, pad_token_id=0,
+                                eos_token_id=None)
+    assert torch.equal(out.sequences, recomputed)
+
+
+def test_generate_beam_search_and_sampling_match_full_cache():
+    model = tiny_model()
+    ids = torch.randint(3, 100, (2, 70))
+    for kwargs in ({"num_beams": 3, "num_return_sequences": 2}, {"do_sample": True, "top_k": 5}):
+        torch.manual_seed(0)
+        compact = model.generate(ids, max_new_tokens=20, pad_token_id=0, eos_token_id=None, **kwargs)
+        torch.manual_seed(0)
+        full = model.generate(ids, max_new_tokens=20, pad_token_id=0, eos_token_id=None,
+                              past_key_values=DynamicCache(), **kwargs)
+        assert torch.equal(compact, full)

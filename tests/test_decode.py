@@ -1,0 +1,103 @@
+"""The decode / chunked-prefill op over the compact cache: PyTorch path vs the fp64 reference, Triton vs PyTorch."""
+
+import random
+
+import pytest
+import torch
+
+from s2_models.kernels.decode import CompactLayout, ring_blocks_for, s2_decode_attention, slot_blocks
+from s2_models.kernels.naive import naive_s2_attention
+from s2_models.kernels.pattern import S2Pattern
+
+PATTERNS = (
+    S2Pattern(block_size=16, local_blocks=2, vert_stride=3),
+    S2Pattern(block_size=16, local_blocks=1, vert_stride=4, homo_head=True),
+    S2Pattern(block_size=16, local_blocks=3, vert_stride=5, per_query_head=True),
+    S2Pattern(block_size=32, local_blocks=1, vert_stride=2, num_dense_heads=1),
+)
+
+
+def compact_cache(k, seq_lens, layout):
+    """The compact cache of left-padded full ``k [B, Hkv, T, D]`` holding ``seq_lens`` real tokens per row."""
+    b, hkv, t, d = k.shape
+    bs = layout.block_size
+    n = int(seq_lens.max())
+    num_ring = layout.num_ring_slots(n)
+    num_slots = num_ring + layout.num_vertical_slots(n)
+    blocks = slot_blocks(layout, seq_lens, num_ring, num_slots)
+    pos = blocks[..., None] * bs + torch.arange(bs)
+    ok = (blocks[..., None] >= 0) & (pos < seq_lens[:, None, None, None])
+    index = (t - seq_lens[:, None, None, None] + pos).clamp(0, t - 1)
+    out = k[torch.arange(b)[:, None, None, None], torch.arange(hkv)[None, :, None, None], index]
+    return out.masked_fill(~ok[..., None], 0).flatten(2, 3), num_ring
+
+
+def case(pattern, dtype, tq, seed_lens):
+    b, hkv, group, d = 2, 2, 2, 32
+    t = max(seed_lens)
+    q = torch.randn(b, hkv * group, tq, d, dtype=dtype)
+    k, v = (torch.randn(b, hkv, t, d, dtype=dtype) for _ in range(2))
+    seq_lens = torch.tensor(seed_lens)
+    mask = torch.arange(t)[None, :] >= (t - seq_lens)[:, None]
+    layout = CompactLayout(pattern, hkv * group, hkv, ring_blocks_for(pattern, tq))
+    k_cache, num_ring = compact_cache(k, seq_lens, layout)
+    v_cache, _ = compact_cache(v, seq_lens, layout)
+    full_q = torch.zeros(b, hkv * group, t, d, dtype=dtype)
+    full_q[:, :, t - tq :] = q
+    ref, _ = naive_s2_attention(full_q, k, v, pattern, attention_mask=mask)
+    return q, k_cache, v_cache, seq_lens, layout, num_ring, ref[:, :, t - tq :]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("tq", [1, 7, 40])
+def test_torch_path_matches_reference(pattern, tq):
+    lens = [random.randint(tq, 230), random.randint(1, 230)]  # the second row may be shorter than the chunk
+    q, kc, vc, seq_lens, layout, num_ring, ref = case(pattern, torch.float64, tq, lens)
+    out = s2_decode_attention(q, kc, vc, seq_lens, layout, num_ring_slots=num_ring, backend="torch")
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS[::3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tq,num_splits", [(1, 1), (1, 3), (9, 2)])
+def test_triton_matches_torch_path(pattern, dtype, tq, num_splits):
+    lens = [random.randint(tq, 300), random.randint(1, 300)]
+    q, kc, vc, seq_lens, layout, num_ring, ref = case(pattern, dtype, tq, lens)
+    expected = s2_decode_attention(q, kc, vc, seq_lens, layout, num_ring_slots=num_ring, backend="torch")
+    out = s2_decode_attention(q, kc, vc, seq_lens, layout, num_ring_slots=num_ring, backend="triton",
+                              num_splits=num_splits)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tq", [1, 64])
+def test_triton_on_gpu(dtype, tq):
+    pattern = S2Pattern(block_size=64, local_blocks=4, vert_stride=8)
+    b, hkv, group, d, t = 3, 4, 4, 128, 5000
+    q = torch.randn(b, hkv * group, tq, d, dtype=dtype)
+    k, v = (torch.randn(b, hkv, t, d, dtype=dtype) for _ in range(2))
+    seq_lens = torch.tensor([t, t - 777, tq])
+    layout = CompactLayout(pattern, hkv * group, hkv, ring_blocks_for(pattern, tq))
+    kc, num_ring = compact_cache(k, seq_lens, layout)
+    vc, _ = compact_cache(v, seq_lens, layout)
+    args = [x.cuda() for x in (q, kc, vc, seq_lens)]
+    expected = s2_decode_attention(*args, layout, num_ring_slots=num_ring, backend="torch")
+    out = s2_decode_attention(*args, layout, num_ring_slots=num_ring, backend="triton")
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_bad_input():
+    pattern = PATTERNS[0]
+    q, kc, vc, seq_lens, layout, num_ring, _ = case(pattern, torch.float32, 1, [50, 40])
+    with pytest.raises(ValueError, match="num_ring_slots"):
+        s2_decode_attention(q, kc, vc, seq_lens, layout, num_ring_slots=99)
+    with pytest.raises(ValueError, match="seq_lens"):
+        s2_decode_attention(q, kc, vc, seq_lens[:1], layout, num_ring_slots=num_ring)
+    with pytest.raises(ValueError, match="heads"):
+        s2_decode_attention(q[:, :2], kc, vc, seq_lens, layout, num_ring_slots=num_ring)
+    with pytest.raises(ValueError, match="backend"):
+        s2_decode_attention(q, kc, vc, seq_lens, layout, num_ring_slots=num_ring, backend="cuda")
+    with pytest.raises(ValueError, match="ring_blocks"):
+        CompactLayout(pattern, 4, 2, ring_blocks=1)
