@@ -247,7 +247,9 @@ def _check_inputs(q, k_cache, v_cache, seq_lens, layout, num_ring_slots):
         )
     b, hq, _, d = q.shape
     if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     if hq != layout.num_q_heads or k_cache.shape[1] != layout.num_kv_heads:
         raise ValueError(
             f"q has {hq} heads and the cache {k_cache.shape[1]}; the layout expects Hq={layout.num_q_heads}, "
@@ -260,12 +262,14 @@ def _check_inputs(q, k_cache, v_cache, seq_lens, layout, num_ring_slots):
     if k_cache.shape[2] % layout.block_size:
         raise ValueError(f"the cache length {k_cache.shape[2]} must be a multiple of block_size={layout.block_size}")
     num_slots = k_cache.shape[2] // layout.block_size
-    if isinstance(num_ring_slots, bool) or not isinstance(num_ring_slots, int) or not 0 <= num_ring_slots <= min(num_slots, layout.ring_blocks):
+    max_ring = min(num_slots, layout.ring_blocks)
+    if isinstance(num_ring_slots, bool) or not isinstance(num_ring_slots, int) or not 0 <= num_ring_slots <= max_ring:
         raise ValueError(
             f"num_ring_slots must be an integer in [0, min(num_slots={num_slots}, ring_blocks={layout.ring_blocks})], "
             f"got {num_ring_slots!r}"
         )
-    if not isinstance(seq_lens, torch.Tensor) or seq_lens.shape != (b,) or seq_lens.dtype not in (torch.int32, torch.int64):
+    int_dtypes = (torch.int32, torch.int64)
+    if not isinstance(seq_lens, torch.Tensor) or seq_lens.shape != (b,) or seq_lens.dtype not in int_dtypes:
         raise ValueError(f"seq_lens must be an int32/int64 tensor of shape [B]={[b]}, got {seq_lens!r}")
     if not (q.device == k_cache.device == v_cache.device == seq_lens.device):
         raise ValueError("q, k_cache, v_cache and seq_lens must be on one device")
@@ -303,5 +307,6 @@ def decode_attention_torch(q, k_cache, v_cache, seq_lens, layout: CompactLayout,
         scores = scores.masked_fill(~ok, -math.inf)
         lse = torch.logsumexp(scores, dim=-1, keepdim=True)
         probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0))
-        out[:, :, start : start + len(t)] = (probs.view(b, hkv, group, len(t), -1) @ values[:, :, None]).view(b, hq, len(t), d)
+        probs = probs.view(b, hkv, group, len(t), -1)
+        out[:, :, start : start + len(t)] = (probs @ values[:, :, None]).view(b, hq, len(t), d)
     return out.to(q.dtype)

@@ -147,13 +147,14 @@ class S2CacheLayer(DynamicLayer):
                 f"the sequence reaches {num_seen} tokens, beyond max_position_embeddings={max_position_embeddings} "
                 "(the positions the model was built for); raise config.max_position_embeddings to go further"
             )
-        if attention_mask is not None and (attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, num_seen)):
+        if attention_mask is not None and tuple(attention_mask.shape) != (batch, num_seen):
             raise ValueError(
                 f"attention_mask must be the 2-D key padding mask [B, past + Tq] = {[batch, num_seen]}, got "
                 f"{list(attention_mask.shape)}"
             )
         if self.num_seen == 0:
-            out = s2_attention(query, key, value, pattern, scale=scaling, attention_mask=attention_mask, backend=backend)
+            out = s2_attention(query, key, value, pattern, scale=scaling, attention_mask=attention_mask,
+                               backend=backend)
             self._store_prompt(key, value, pattern, attention_mask, num_q_heads=query.shape[1])
             return out
 
@@ -203,7 +204,7 @@ class S2CacheLayer(DynamicLayer):
         if tq > 1:  # a chunk: check the padding (one host sync per chunk; decode steps trust the mask)
             columns = torch.arange(real.shape[1], device=real.device)
             if not torch.equal(real, columns >= (real.shape[1] - seq_lens)[:, None]):
-                raise ValueError("attention_mask must be left padded (one run of real tokens ending at the last column)")
+                raise ValueError("attention_mask must be left padded (one run of real tokens up to the last column)")
         return seq_lens
 
     # ------------------------------------------------------------------ storage
@@ -217,7 +218,7 @@ class S2CacheLayer(DynamicLayer):
             seq_lens = real.sum(-1)
             first = torch.where(seq_lens > 0, real.int().argmax(-1), 0)
             self.right_padded = bool(((first + seq_lens) != tq).logical_and(seq_lens > 0).any())
-        self.layout = CompactLayout(pattern, num_q_heads, num_kv, ring_blocks=pattern.local_blocks)
+        self.layout = CompactLayout(pattern, num_q_heads, num_kv, pattern.local_blocks)
         self.dtype, self.device = key.dtype, key.device
         self.num_ring = self.layout.num_ring_slots(tq)
         num_slots = self.num_ring + self.layout.num_vertical_slots(tq)
@@ -305,7 +306,7 @@ def kv_cache_bytes(cache: DynamicCache) -> dict[str, int]:
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
             continue
         kind = "s2" if isinstance(layer, S2CacheLayer) else "dense"
-        sizes[kind] += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+        sizes[kind] += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
     return sizes
 
 

@@ -25,7 +25,10 @@ def run_chunks(layer, q, k, v, pattern, chunks, mask=None, backend="torch"):
     return torch.cat(outs, 2)
 
 
-@pytest.mark.parametrize("pattern", [PATTERN, S2Pattern(block_size=16, local_blocks=1, vert_stride=4, per_query_head=True)])
+PER_QUERY_HEAD = S2Pattern(block_size=16, local_blocks=1, vert_stride=4, per_query_head=True)
+
+
+@pytest.mark.parametrize("pattern", [PATTERN, PER_QUERY_HEAD])
 def test_incremental_attention_equals_full_attention_left_padded(pattern):
     b, hq, hkv, d, t = 3, 4, 2, 16, 170
     q = torch.randn(b, hq, t, d, dtype=torch.float64)
@@ -53,8 +56,7 @@ def test_memory_is_the_kept_fraction():
     layer, hkv, d, n = S2CacheLayer(), 4, 16, 4096
     k = torch.randn(1, hkv, n, d)
     layer.update_and_attend(torch.randn(1, hkv, n, d), k, k, pattern)
-    blocks = n // 16
-    for step in range(40):  # decode keeps the size bounded
+    for _ in range(40):  # decode keeps the size bounded
         x = torch.randn(1, hkv, 1, d)
         layer.update_and_attend(x, x, x, pattern)
     blocks = (n + 40 + 15) // 16
