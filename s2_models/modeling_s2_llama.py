@@ -36,7 +36,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_s2_llama import FULL_ATTENTION, S2_ATTENTION, S2LlamaConfig
+from .configuration_s2_llama import DENSE, FULL_ATTENTION, S2_ATTENTION, S2LlamaConfig
 from .kernels.interface import s2_attention
 from .kernels.pattern import S2Pattern, token_mask
 
@@ -227,7 +227,10 @@ class S2LlamaAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
-        self.s2_pattern: S2Pattern | None = config.layer_patterns()[layer_idx]
+        # Built here, not by config.layer_patterns(): a remote-code config may come from another copy of pattern.py
+        # (transformers loads each remote module with its own file set), and the kernels check isinstance.
+        spec = config.sparsity[layer_idx]
+        self.s2_pattern: S2Pattern | None = None if spec == DENSE else S2Pattern.from_dict(spec)
 
         q_size, kv_size = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
         self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.attention_bias)
@@ -397,7 +400,19 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
 
-        if use_cache and past_key_values is None:
+        # Packed sequences, read like transformers does: only without a padding mask and without a past. They get no
+        # cache: its keys could not be continued as one sequence.
+        cu_seqlens = None
+        if attention_mask is None and past_key_values is None:
+            cu_seqlens = kwargs.get("cu_seq_lens_k")
+            if cu_seqlens is None and position_ids is not None:
+                cu_seqlens = packed_cu_seqlens(position_ids.expand(inputs_embeds.shape[0], -1))
+                if cu_seqlens is not None and self.config._attn_implementation == S2_IMPLEMENTATION:
+                    max_length = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+                    kwargs.update(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_length,
+                                  max_length_k=max_length)
+
+        if use_cache and past_key_values is None and cu_seqlens is None:
             past_key_values = DynamicCache(config=self.config)
 
         if position_ids is None:
@@ -405,20 +420,7 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
-        # Like transformers, packing is read from position_ids only without a padding mask and without a cache.
-        if (
-            self.config._attn_implementation == S2_IMPLEMENTATION
-            and kwargs.get("cu_seq_lens_q") is None
-            and attention_mask is None
-            and past_key_values is None
-        ):
-            cu_seqlens = packed_cu_seqlens(position_ids.expand(inputs_embeds.shape[0], -1))
-            if cu_seqlens is not None:
-                max_length = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-                kwargs.update(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_length,
-                              max_length_k=max_length)
-
-        masks = self._attention_masks(inputs_embeds, attention_mask, past_key_values, position_ids, kwargs)
+        masks = self._attention_masks(inputs_embeds, attention_mask, past_key_values, position_ids, cu_seqlens)
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
@@ -440,7 +442,7 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
             past_key_values=past_key_values,
         )
 
-    def _attention_masks(self, inputs_embeds, attention_mask, past_key_values, position_ids, kwargs) -> dict:
+    def _attention_masks(self, inputs_embeds, attention_mask, past_key_values, position_ids, cu_seqlens) -> dict:
         """The mask of every layer, keyed ``"full_attention"`` for dense layers and by ``S2Pattern`` for sparse ones."""
         full_mask = create_causal_mask(
             config=self.config,
@@ -450,7 +452,7 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
             position_ids=position_ids,
         )
         masks = {FULL_ATTENTION: full_mask}
-        patterns = {pattern for pattern in self.config.layer_patterns() if pattern is not None}
+        patterns = {layer.self_attn.s2_pattern for layer in self.layers} - {None}
         if self.config._attn_implementation == S2_IMPLEMENTATION:
             masks.update(dict.fromkeys(patterns, full_mask))  # the padding mask; the kernels apply the pattern
             return masks
@@ -459,9 +461,6 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
 
         batch_size, q_length = inputs_embeds.shape[:2]
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
-        cu_seqlens = kwargs.get("cu_seq_lens_k")
-        if cu_seqlens is None and attention_mask is None and past_key_values is None:
-            cu_seqlens = packed_cu_seqlens(position_ids.expand(batch_size, -1))
         segment, position = sequence_layout(
             batch_size, past_seen + q_length, attention_mask, cu_seqlens, device=inputs_embeds.device
         )
