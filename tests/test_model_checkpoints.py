@@ -51,6 +51,18 @@ def test_save_load_round_trip_is_exact(saved):
     assert torch.equal(logits(loaded.eval(), ids), logits(model, ids))
 
 
+def test_model_card_is_written_when_the_renderer_is_installed(saved):
+    pytest.importorskip("s2_models.model_card")
+    assert (saved[0] / "README.md").read_text().strip()
+
+
+def test_device_map_loading(saved):
+    path, model, ids = saved
+    loaded = S2LlamaForCausalLM.from_pretrained(path, device_map="auto", dtype=torch.float32)
+    assert {p.device.type for p in loaded.parameters()} == {"cpu"}
+    assert torch.equal(logits(loaded.eval(), ids), logits(model, ids))
+
+
 def test_auto_classes_load_the_s2_family(saved):
     path, model, ids = saved
     assert isinstance(AutoConfig.from_pretrained(path), S2LlamaConfig)

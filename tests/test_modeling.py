@@ -164,8 +164,9 @@ def test_cached_decoding_equals_full_forward(implementation):
     assert torch.equal(full[:, ids.shape[1] - 1 : -1].argmax(-1), generated[:, ids.shape[1] :])
 
 
-def test_left_padded_generation_equals_single_sequence_generation():
-    model = tiny_model()
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_left_padded_generation_equals_single_sequence_generation(implementation):
+    model = tiny_model(attn_implementation=implementation)
     short, long = tokens(1, 12), tokens(1, 35)
     ids = torch.cat([torch.cat([torch.zeros(1, 23, dtype=torch.long), short], 1), long])
     mask = torch.cat([torch.cat([torch.zeros(1, 23), torch.ones(1, 12)], 1), torch.ones(1, 35)]).long()
