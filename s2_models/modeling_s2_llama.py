@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface, GenerationMixin
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -36,6 +36,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from .cache_s2_llama import S2CacheLayer, s2_cache_layer
 from .configuration_s2_llama import DENSE, FULL_ATTENTION, S2_ATTENTION, S2LlamaConfig
 from .kernels.interface import s2_attention
 from .kernels.pattern import S2Pattern, token_mask
@@ -205,13 +206,9 @@ def packed_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor | None:
 
 
 # ---------------------------------------------------------------------------------------------- cache
-class S2DynamicLayer(DynamicLayer):
-    """KV cache of an ``"s2_attention"`` layer (registered for that layer type in ``DynamicCache``).
-
-    Keeps every key and value, like a full-attention layer.
-    """
-
-    _layer_type = S2_ATTENTION
+# ``DynamicCache(config=...)`` (generate's and the forward's default cache) builds an ``S2CacheLayer`` for every
+# ``"s2_attention"`` layer: compact under the "s2" implementation, full keys under the reference ones.
+assert S2CacheLayer._layer_type == S2_ATTENTION
 
 
 # ---------------------------------------------------------------------------------------------- modules
@@ -255,6 +252,17 @@ class S2LlamaAttention(nn.Module):
 
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+        # ---- compact S2 cache (cache_s2_llama.py): keep only the blocks a future query reads, attend over them
+        cache_layer = s2_cache_layer(past_key_values, self.layer_idx)
+        if cache_layer is not None and self.config._attn_implementation == S2_IMPLEMENTATION:
+            attn_output = cache_layer.update_and_attend(
+                query_states, key_states, value_states, self.s2_pattern, scaling=self.scaling,
+                attention_mask=attention_mask, max_position_embeddings=self.config.max_position_embeddings,
+                backend=self.config.s2_backend,
+            )
+            return self.o_proj(attn_output.transpose(1, 2).reshape(*input_shape, -1)), None
+        # ---- end of the compact S2 cache branch
 
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
