@@ -42,7 +42,8 @@ class ModelArguments:
                           "or unset for a fresh model built from --config_overrides"},
     )
     config_overrides: str | None = field(
-        default=None, metadata={"help": "comma-separated key=value config fields, e.g. hidden_size=64,num_hidden_layers=2"}
+        default=None,
+        metadata={"help": "comma-separated key=value config fields, e.g. hidden_size=64,num_hidden_layers=2"},
     )
     sparsity: str = field(
         default="keep",
@@ -181,10 +182,9 @@ def main(argv=None):
 
     tokenizer = load_tokenizer(model_args)
     model = build_model(model_args, len(tokenizer), dtype)
-    train = tokenize_documents(text_dataset("train", data_args.max_train_documents), tokenizer, data_args.max_seq_length)
-    held_out = tokenize_documents(
-        text_dataset("heldout", data_args.max_eval_documents), tokenizer, data_args.max_seq_length
-    )
+    length = data_args.max_seq_length
+    train = tokenize_documents(text_dataset("train", data_args.max_train_documents), tokenizer, length)
+    held_out = tokenize_documents(text_dataset("heldout", data_args.max_eval_documents), tokenizer, length)
     trainer = Trainer(
         model=model,
         args=training_args,

@@ -1,0 +1,137 @@
+"""Run EleutherAI's lm-evaluation-harness on an S2Llama checkpoint (extra ``eval``: ``pip install s2-models[eval]``).
+
+The model goes through lm-eval's own Hugging Face wrapper (``HFLM``), given a loaded model object, so the S2
+kernels and any conversion are exactly what was measured. Hub datasets may be out of reach (air-gapped machines),
+so two local tasks are built from the held-out documentation text and always available:
+
+* ``s2_docs_rolling``: ``loglikelihood_rolling`` over held-out paragraphs (word / byte perplexity, bits per byte);
+  windows follow the model's max length, as lm-eval's wikitext task does.
+* ``s2_docs_last_word``: LAMBADA-style last-word prediction on held-out paragraphs (greedy accuracy, perplexity).
+
+Any registered lm-eval task name works too where its dataset can be fetched.
+
+Command line::
+
+    python -m s2_models.eval.lm_eval_harness                                # SmolLM2 S2 hybrid, local tasks
+    python -m s2_models.eval.lm_eval_harness --model outputs/smollm2-s2 --tasks s2_docs_rolling,hellaswag \\
+        --batch-size 8 --device cuda --output bench/results/lm_eval.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from s2_models.downloads import build_once, cache_dir
+
+LOCAL_TASKS = ("s2_docs_rolling", "s2_docs_last_word")
+TASKS_VERSION = 1  # bump when the data or task definitions change, so cached task folders are rebuilt
+
+
+def local_tasks_dir(max_paragraphs: int = 200) -> Path:
+    """A folder with the local tasks' YAML files and their JSONL data (built once, cached)."""
+    target = cache_dir() / f"lm_eval_tasks-v{TASKS_VERSION}-{max_paragraphs}"
+
+    def build(out: Path) -> None:  # out is renamed to target afterwards: the YAML names the data's final path
+        from s2_models.training.data import iter_documents
+
+        paragraphs = [p for doc in iter_documents("heldout") for p in doc.text.split("\n\n") if len(p.split()) >= 30]
+        paragraphs = paragraphs[:max_paragraphs]
+        rows_rolling = [{"text": p} for p in paragraphs]
+        rows_last_word = [row for row in map(_last_word_example, paragraphs) if row is not None]
+        for task, rows in (("s2_docs_rolling", rows_rolling), ("s2_docs_last_word", rows_last_word)):
+            data = out / f"{task}.jsonl"
+            data.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+            # JSON is YAML: no YAML writer needed, and the absolute data path is embedded safely.
+            config = _task_config(task, target / data.name)
+            (out / f"{task}.yaml").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+    return build_once(target, build)
+
+
+def _last_word_example(paragraph: str) -> dict | None:
+    match = re.fullmatch(r"(.*\S)\s+([A-Za-z]{3,})[.!?]?", paragraph.strip(), flags=re.DOTALL)
+    return None if match is None else {"context": match.group(1), "target": match.group(2)}
+
+
+def _task_config(task: str, data: Path) -> dict:
+    common = {
+        "task": task,
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data)}},
+        "test_split": "test",
+        "metadata": {"version": TASKS_VERSION},
+    }
+    if task == "s2_docs_rolling":
+        return common | {
+            "output_type": "loglikelihood_rolling",
+            "doc_to_text": "",
+            "doc_to_target": "{{text}}",
+            "metric_list": [{"metric": "word_perplexity"}, {"metric": "byte_perplexity"}, {"metric": "bits_per_byte"}],
+        }
+    return common | {
+        "output_type": "loglikelihood",
+        "doc_to_text": "{{context}}",
+        "doc_to_target": " {{target}}",
+        "metric_list": [
+            {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+            {"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False},
+        ],
+    }
+
+
+def evaluate(model, tokenizer, tasks=LOCAL_TASKS, batch_size: int = 4, limit: int | None = None,
+             max_length: int | None = None) -> dict:
+    """Run lm-eval ``tasks`` on a loaded ``model``; returns ``{task: {metric: value}}``."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    if not tasks:
+        raise ValueError("tasks must name at least one lm-eval task")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1 or None, got {limit}")
+    device = str(next(model.parameters()).device)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device, max_length=max_length)
+    manager = TaskManager(include_path=str(local_tasks_dir()))
+    output = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), limit=limit, task_manager=manager,
+                                     log_samples=False, bootstrap_iters=0)
+    return {task: {k.split(",")[0]: v for k, v in metrics.items() if k != "alias" and isinstance(v, (int, float))}
+            for task, metrics in output["results"].items()}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="checkpoint dir or Hub id (trust_remote_code); default: SmolLM2 S2 hybrid")
+    parser.add_argument("--tasks", default=",".join(LOCAL_TASKS), help="comma-separated lm-eval task names")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
+    parser.add_argument("--max-length", type=int, default=None, help="context length lm-eval uses (default: model's)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--output", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+
+    if args.model is None:
+        from s2_models.smollm2 import load_s2, load_tokenizer, smollm2_hybrid_sparsity
+
+        tokenizer, model = load_tokenizer(), load_s2(smollm2_hybrid_sparsity(), dtype, args.device)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True, dtype=dtype)
+        model = model.to(args.device).eval()
+    results = evaluate(model, tokenizer, args.tasks.split(","), args.batch_size, args.limit, args.max_length)
+    print(json.dumps(results, indent=2))
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps({"model": args.model or "smollm2-s2-hybrid", "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Needle in a haystack: can the model retrieve one fact hidden at depth d of a context of L tokens?
+
+For every context length L and depth d, the haystack is held-out documentation text cut to fit L tokens, the
+needle sentence ("The magic number is 73914.") is inserted at the sentence boundary nearest to fraction d of it,
+and the prompt ends with a question. The model generates greedily; a cell scores 1 when the needle's number
+appears in the answer. The grid, with the prompt lengths actually used, is written as JSON.
+
+Command line (``python -m s2_models.eval.needle --help``): a checkpoint (``--model``, loaded with
+``trust_remote_code``) or, by default, SmolLM2-135M-Instruct as the demo's S2 hybrid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import torch
+
+QUESTION = "\n\nWhat is the magic number mentioned in the text above? The magic number is"
+
+
+def needle_sentence(number: int) -> str:
+    return f" The magic number is {number}. "
+
+
+def build_prompt(tokenizer, haystack: str, context_length: int, depth: float, number: int) -> str:
+    """A prompt of about ``context_length`` tokens: haystack text with the needle at ``depth`` and the question."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    needle = needle_sentence(number)
+    fixed = len(tokenizer(needle + QUESTION, add_special_tokens=False).input_ids)
+    budget = context_length - fixed
+    if budget < 1:
+        raise ValueError(f"context_length={context_length} leaves no room for the haystack (needle+question: {fixed})")
+    ids = tokenizer(haystack, add_special_tokens=False).input_ids
+    if len(ids) < budget:
+        raise ValueError(f"the haystack has {len(ids)} tokens, fewer than the {budget} needed for L={context_length}")
+    text = tokenizer.decode(ids[:budget])
+    cut = int(len(text) * depth)
+    boundary = text.rfind(". ", 0, cut)  # insert between sentences so the needle reads as part of the text
+    cut = 0 if boundary < 0 or depth == 0.0 else boundary + 1
+    return text[:cut] + needle + text[cut:].lstrip() + QUESTION
+
+
+@torch.no_grad()
+def run_needle_grid(model, tokenizer, haystack: str, context_lengths, depths, max_new_tokens: int = 8,
+                    seed: int = 0) -> dict:
+    """Score every (context length, depth) cell; returns the JSON-ready grid."""
+    if not context_lengths or not depths:
+        raise ValueError("context_lengths and depths must be non-empty")
+    device = next(model.parameters()).device
+    rng = random.Random(seed)
+    cells = []
+    for length in context_lengths:
+        for depth in depths:
+            number = rng.randrange(10000, 100000)
+            prompt = build_prompt(tokenizer, haystack, length, depth, number)
+            inputs = tokenizer(prompt, return_tensors="pt").to(device)
+            output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                    pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+            answer = tokenizer.decode(output[0, inputs.input_ids.shape[1] :], skip_special_tokens=True)
+            cells.append({
+                "context_length": length,
+                "prompt_tokens": inputs.input_ids.shape[1],
+                "depth": depth,
+                "needle": number,
+                "answer": answer.strip(),
+                "retrieved": str(number) in answer,
+            })
+    accuracy = sum(c["retrieved"] for c in cells) / len(cells)
+    return {"context_lengths": list(context_lengths), "depths": list(depths), "accuracy": accuracy, "cells": cells}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="checkpoint dir or Hub id (trust_remote_code); default: SmolLM2 S2 hybrid")
+    parser.add_argument("--lengths", default="256,512,1024", help="comma-separated context lengths in tokens")
+    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="comma-separated depths in [0, 1]")
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--output", type=Path, default=Path("bench/results/needle.json"))
+    args = parser.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    depths = [float(x) for x in args.depths.split(",")]
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+
+    from s2_models.training.data import heldout_text
+
+    if args.model is None:
+        from s2_models.smollm2 import load_s2, load_tokenizer, smollm2_hybrid_sparsity
+
+        tokenizer = load_tokenizer()
+        model = load_s2(smollm2_hybrid_sparsity(), dtype, args.device)
+        name = "SmolLM2-135M-Instruct, S2 hybrid (s2_models.smollm2.smollm2_hybrid_sparsity())"
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True, dtype=dtype)
+        model = model.to(args.device).eval()
+        name = args.model
+    haystack = heldout_text(max(lengths) * 8)
+    report = {"model": name, **run_needle_grid(model, tokenizer, haystack, lengths, depths, args.max_new_tokens)}
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"accuracy {report['accuracy']:.2f} over {len(report['cells'])} cells; wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
