@@ -15,7 +15,7 @@ Kernel tiles are decoupled from the sparsity granularity ``block_size``:
   blocks fills a 64-wide tile instead of wasting 3/4 of it.
 * Per (pattern head, resident tile) a list holds the kept units, first the *full* ones (kept by every sparse block
   of the resident tile and entirely on the visible side of the causal diagonal: no score masking at all), then the
-  *partial* ones (block-mask lookup + causal + length masks). The lists are built with torch ops from
+  *partial* ones (per-entry keep bits + causal + length masks). The lists are built with torch ops from
   ``layout.block_mask`` and cached per ``layout.cache_key``; the dk/dv kernel uses the transposed lists.
 
 Numerics: online softmax in base 2 (``log2(e)`` folded into the scale), fp32 accumulation. fp32 inputs use IEEE
@@ -90,11 +90,16 @@ def _gather_positions(list_base, entry, num_entries, BLOCK: tl.constexpr, UNIT: 
 
 
 @triton.jit
-def _visible(mask_head, q_pos, k_pos, valid, stride_mm, stride_mn, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr):
-    """Token visibility for broadcastable 2-D ``q_pos``/``k_pos``: block mask & causal & ``valid`` (both real)."""
-    kept_ptrs = mask_head + (q_pos // BLOCK_SIZE) * stride_mm + (k_pos // BLOCK_SIZE) * stride_mn
-    kept = tl.load(kept_ptrs, mask=valid, other=0)
-    visible = valid & (kept != 0)
+def _entry_bits(bits_base, entry, num_entries, BLOCK: tl.constexpr, UNIT: tl.constexpr):
+    """Per position ``[BLOCK]``: the keep bits of its list entry (bit b: block b of the resident tile keeps it)."""
+    index = entry + tl.arange(0, BLOCK) // UNIT
+    return tl.load(bits_base + index, mask=index < num_entries, other=0)
+
+
+@triton.jit
+def _visible(keep_bits, block_in_tile, q_pos, k_pos, valid, CAUSAL: tl.constexpr):
+    """Token visibility (broadcastable 2-D operands): the entry's keep bit for the resident block & causal & valid."""
+    visible = valid & (((keep_bits >> block_in_tile) & 1) != 0)
     if CAUSAL:
         visible = visible & (k_pos <= q_pos)
     return visible
@@ -127,8 +132,8 @@ def _store_rows(base, value, rows, row_ok, stride_t, stride_d, HEAD_DIM: tl.cons
 
 @triton.jit
 def _fwd_step(
-    acc, m_i, l_i, q_tile, q_pos, k_head, v_head, mask_head, list_base, entry, num_entries, k_start, seqlen_k,
-    stride_kt, stride_kd, stride_vt, stride_vd, stride_mm, stride_mn, qk_scale,
+    acc, m_i, l_i, q_tile, q_pos, block_in_tile, k_head, v_head, list_base, bits_base, entry, num_entries, k_start,
+    seqlen_k, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     UNIT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -139,8 +144,9 @@ def _fwd_step(
     k_tile = _load_rows(k_head, k_start + k_pos, key_real, stride_kt, stride_kd, HEAD_DIM, BLOCK_D)
     s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
     if MASKED:
+        keep_bits = _entry_bits(bits_base, entry, num_entries, BLOCK_N, UNIT)
         valid = (q_pos[:, None] < seqlen_k) & key_real[None, :]
-        visible = _visible(mask_head, q_pos[:, None], k_pos[None, :], valid, stride_mm, stride_mn, BLOCK_SIZE, CAUSAL)
+        visible = _visible(keep_bits[None, :], block_in_tile[:, None], q_pos[:, None], k_pos[None, :], valid, CAUSAL)
         s = tl.where(visible, s, -float("inf"))
     elif not CAUSAL:
         # A full entry of a bidirectional pattern may run past the end of a short (varlen) sequence.
@@ -158,15 +164,14 @@ def _fwd_step(
 @triton.jit
 def s2_attention_fwd_kernel(
     q, k, v, out, lse,  # [B, Hq, Tq, D], [B, Hkv, Tk, D], [B, Hkv, Tk, D], [B, Hq, Tq, D], [B, Hq, Tq] float32
-    block_mask,  # uint8 [P, M, N]
-    unit_lists, unit_counts,  # int32 [P, num_q_tiles, L] kept key units; int32 [P, num_q_tiles, 2] (full, total)
+    unit_lists, unit_bits, unit_counts,  # int32 [P, num_q_tiles, L] kept key units and their keep bits (see
+    # build_unit_lists); int32 [P, num_q_tiles, 2] (full, total)
     cu_seqlens_q, cu_seqlens_k,  # int32 [S + 1], read only when IS_VARLEN
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
     stride_ob, stride_oh, stride_ot, stride_od,
     stride_lb, stride_lh, stride_lt,
-    stride_mp, stride_mm, stride_mn,
     stride_up, stride_ut, stride_cp, stride_ct,
     seqlen_q, seqlen_k, qk_scale, q_heads_per_pattern, q_heads_per_kv,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -197,8 +202,10 @@ def s2_attention_fwd_kernel(
     q_tile = _load_rows(q_head_base, rows, row_real, stride_qt, stride_qd, HEAD_DIM, BLOCK_D)  # [BLOCK_M, BLOCK_D]
     k_head = k + seq.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_head = v + seq.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
-    mask_head = block_mask + pattern_head.to(tl.int64) * stride_mp
-    list_base = unit_lists + pattern_head.to(tl.int64) * stride_up + tile.to(tl.int64) * stride_ut
+    list_offset = pattern_head.to(tl.int64) * stride_up + tile.to(tl.int64) * stride_ut
+    list_base = unit_lists + list_offset
+    bits_base = unit_bits + list_offset  # same layout as unit_lists
+    block_in_tile = q_pos // BLOCK_SIZE - (tile * BLOCK_M) // BLOCK_SIZE  # [BLOCK_M] bit index of each row's block
     count_base = unit_counts + pattern_head.to(tl.int64) * stride_cp + tile.to(tl.int64) * stride_ct
     num_full = tl.load(count_base)
     num_entries = tl.load(count_base + 1)
@@ -209,14 +216,14 @@ def s2_attention_fwd_kernel(
     GROUP: tl.constexpr = BLOCK_N // UNIT
     for entry in range(0, num_full, GROUP):
         acc, m_i, l_i = _fwd_step(
-            acc, m_i, l_i, q_tile, q_pos, k_head, v_head, mask_head, list_base, entry, num_entries, k_start, seqlen_k,
-            stride_kt, stride_kd, stride_vt, stride_vd, stride_mm, stride_mn, qk_scale,
+            acc, m_i, l_i, q_tile, q_pos, block_in_tile, k_head, v_head, list_base, bits_base, entry, num_entries,
+            k_start, seqlen_k, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale,
             HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UNIT, CAUSAL, False, DOT_PRECISION,
         )
     for entry in range(num_full, num_entries, GROUP):
         acc, m_i, l_i = _fwd_step(
-            acc, m_i, l_i, q_tile, q_pos, k_head, v_head, mask_head, list_base, entry, num_entries, k_start, seqlen_k,
-            stride_kt, stride_kd, stride_vt, stride_vd, stride_mm, stride_mn, qk_scale,
+            acc, m_i, l_i, q_tile, q_pos, block_in_tile, k_head, v_head, list_base, bits_base, entry, num_entries,
+            k_start, seqlen_k, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale,
             HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UNIT, CAUSAL, True, DOT_PRECISION,
         )
 
@@ -266,8 +273,8 @@ def _load_softmax_stats(lse_head, delta_head, rows, row_ok, stride_lt):
 
 @triton.jit
 def _bwd_dq_step(
-    dq, q_tile, do_tile, lse_row, delta_row, q_pos, k_head, v_head, mask_head, list_base, entry, num_entries,
-    k_start, seqlen_k, stride_kt, stride_kd, stride_vt, stride_vd, stride_mm, stride_mn, qk_scale,
+    dq, q_tile, do_tile, lse_row, delta_row, q_pos, block_in_tile, k_head, v_head, list_base, bits_base, entry,
+    num_entries, k_start, seqlen_k, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     UNIT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -280,8 +287,9 @@ def _bwd_dq_step(
     s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     p = tl.math.exp2(s - lse_row[:, None])
     if MASKED:
+        keep_bits = _entry_bits(bits_base, entry, num_entries, BLOCK_N, UNIT)
         valid = (q_pos[:, None] < seqlen_k) & key_real[None, :]
-        visible = _visible(mask_head, q_pos[:, None], k_pos[None, :], valid, stride_mm, stride_mn, BLOCK_SIZE, CAUSAL)
+        visible = _visible(keep_bits[None, :], block_in_tile[:, None], q_pos[:, None], k_pos[None, :], valid, CAUSAL)
         p = tl.where(visible, p, 0.0)
     elif not CAUSAL:
         p = tl.where(key_real[None, :], p, 0.0)
@@ -293,14 +301,13 @@ def _bwd_dq_step(
 @triton.jit
 def s2_attention_bwd_dq_kernel(
     q, k, v, dout, lse, delta, dq,  # q/dout/dq [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], lse [B, Hq, Tq], delta contiguous
-    block_mask, unit_lists, unit_counts, cu_seqlens_q, cu_seqlens_k,  # as in s2_attention_fwd_kernel
+    unit_lists, unit_bits, unit_counts, cu_seqlens_q, cu_seqlens_k,  # as in s2_attention_fwd_kernel
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
     stride_gb, stride_gh, stride_gt, stride_gd,  # dout
     stride_dqb, stride_dqh, stride_dqt, stride_dqd,
     stride_lb, stride_lh, stride_lt,
-    stride_mp, stride_mm, stride_mn,
     stride_up, stride_ut, stride_cp, stride_ct,
     seqlen_q, seqlen_k, stride_db, stride_dh, scale, qk_scale, q_heads_per_pattern, q_heads_per_kv,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -333,8 +340,10 @@ def s2_attention_bwd_dq_kernel(
     )
     k_head = k + seq.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_head = v + seq.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
-    mask_head = block_mask + pattern_head.to(tl.int64) * stride_mp
-    list_base = unit_lists + pattern_head.to(tl.int64) * stride_up + tile.to(tl.int64) * stride_ut
+    list_offset = pattern_head.to(tl.int64) * stride_up + tile.to(tl.int64) * stride_ut
+    list_base = unit_lists + list_offset
+    bits_base = unit_bits + list_offset  # same layout as unit_lists
+    block_in_tile = q_pos // BLOCK_SIZE - (tile * BLOCK_M) // BLOCK_SIZE  # [BLOCK_M] bit index of each row's block
     count_base = unit_counts + pattern_head.to(tl.int64) * stride_cp + tile.to(tl.int64) * stride_ct
     num_full = tl.load(count_base)
     num_entries = tl.load(count_base + 1)
@@ -343,14 +352,14 @@ def s2_attention_bwd_dq_kernel(
     GROUP: tl.constexpr = BLOCK_N // UNIT
     for entry in range(0, num_full, GROUP):
         dq_acc = _bwd_dq_step(
-            dq_acc, q_tile, do_tile, lse_row, delta_row, q_pos, k_head, v_head, mask_head, list_base, entry,
-            num_entries, k_start, seqlen_k, stride_kt, stride_kd, stride_vt, stride_vd, stride_mm, stride_mn, qk_scale,
+            dq_acc, q_tile, do_tile, lse_row, delta_row, q_pos, block_in_tile, k_head, v_head, list_base, bits_base,
+            entry, num_entries, k_start, seqlen_k, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale,
             HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UNIT, CAUSAL, False, DOT_PRECISION,
         )
     for entry in range(num_full, num_entries, GROUP):
         dq_acc = _bwd_dq_step(
-            dq_acc, q_tile, do_tile, lse_row, delta_row, q_pos, k_head, v_head, mask_head, list_base, entry,
-            num_entries, k_start, seqlen_k, stride_kt, stride_kd, stride_vt, stride_vd, stride_mm, stride_mn, qk_scale,
+            dq_acc, q_tile, do_tile, lse_row, delta_row, q_pos, block_in_tile, k_head, v_head, list_base, bits_base,
+            entry, num_entries, k_start, seqlen_k, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale,
             HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UNIT, CAUSAL, True, DOT_PRECISION,
         )
     dq_head = dq + seq.to(tl.int64) * stride_dqb + q_head.to(tl.int64) * stride_dqh
@@ -359,9 +368,9 @@ def s2_attention_bwd_dq_kernel(
 
 @triton.jit
 def _bwd_dkdv_step(
-    dk, dv, k_tile, v_tile, k_pos, key_real, q_head_base, do_head_base, lse_head, delta_head, mask_head, list_base,
-    entry, num_entries, q_start, first_pos, seqlen_k,
-    stride_qt, stride_qd, stride_gt, stride_gd, stride_lt, stride_mm, stride_mn, qk_scale,
+    dk, dv, k_tile, v_tile, k_pos, block_in_tile, key_real, q_head_base, do_head_base, lse_head, delta_head,
+    list_base, bits_base, entry, num_entries, q_start, first_pos, seqlen_k,
+    stride_qt, stride_qd, stride_gt, stride_gd, stride_lt, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     UNIT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -375,8 +384,9 @@ def _bwd_dkdv_step(
     s_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
     p_t = tl.math.exp2(s_t - lse_row[None, :])  # rows that are not real have lse = +inf: p = 0
     if MASKED:
+        keep_bits = _entry_bits(bits_base, entry, num_entries, BLOCK_M, UNIT)
         valid = key_real[:, None] & row_real[None, :]
-        visible = _visible(mask_head, q_pos[None, :], k_pos[:, None], valid, stride_mm, stride_mn, BLOCK_SIZE, CAUSAL)
+        visible = _visible(keep_bits[None, :], block_in_tile[:, None], q_pos[None, :], k_pos[:, None], valid, CAUSAL)
         p_t = tl.where(visible, p_t, 0.0)
     # (Keys past a short sequence need no mask here: their dk/dv rows are never stored.)
     dv += tl.dot(p_t.to(do_tile.dtype), do_tile, input_precision=DOT_PRECISION)
@@ -389,8 +399,8 @@ def _bwd_dkdv_step(
 @triton.jit
 def s2_attention_bwd_dkdv_kernel(
     q, k, v, dout, lse, delta, dk, dv,  # q/dout [B, Hq, Tq, D], k/v/dk/dv [B, Hkv, Tk, D], lse/delta [B, Hq, Tq]
-    block_mask,  # uint8 [P, M, N]
-    unit_lists, unit_counts,  # int32 [P, num_k_tiles, L] query units reading each key tile; [P, num_k_tiles, 2]
+    unit_lists, unit_bits, unit_counts,  # int32 [P, num_k_tiles, L] query units reading each key tile, their keep
+    # bits; int32 [P, num_k_tiles, 2]
     cu_seqlens_q, cu_seqlens_k,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
@@ -399,7 +409,6 @@ def s2_attention_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkt, stride_dkd,
     stride_dvb, stride_dvh, stride_dvt, stride_dvd,
     stride_lb, stride_lh, stride_lt,
-    stride_mp, stride_mm, stride_mn,
     stride_up, stride_ut, stride_cp, stride_ct,
     seqlen_q, seqlen_k, stride_db, stride_dh, scale, qk_scale, q_heads_per_pattern, q_heads_per_kv,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -420,6 +429,7 @@ def s2_attention_bwd_dkdv_kernel(
     k_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     key_real = k_pos < seqlen_k
     k_rows = k_start + k_pos
+    block_in_tile = k_pos // BLOCK_SIZE - (tile * BLOCK_N) // BLOCK_SIZE  # [BLOCK_N] bit index of each key's block
     k_head = k + seq.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_head = v + seq.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
     k_tile = _load_rows(k_head, k_rows, key_real, stride_kt, stride_kd, HEAD_DIM, BLOCK_D)  # [BLOCK_N, BLOCK_D]
@@ -434,23 +444,24 @@ def s2_attention_bwd_dkdv_kernel(
         do_head_base = dout + seq.to(tl.int64) * stride_gb + q_head.to(tl.int64) * stride_gh
         lse_head = lse + seq.to(tl.int64) * stride_lb + q_head.to(tl.int64) * stride_lh
         delta_head = delta + seq.to(tl.int64) * stride_db + q_head.to(tl.int64) * stride_dh
-        mask_head = block_mask + pattern_head.to(tl.int64) * stride_mp
-        list_base = unit_lists + pattern_head.to(tl.int64) * stride_up + tile.to(tl.int64) * stride_ut
+        list_offset = pattern_head.to(tl.int64) * stride_up + tile.to(tl.int64) * stride_ut
+        list_base = unit_lists + list_offset
+        bits_base = unit_bits + list_offset
         count_base = unit_counts + pattern_head.to(tl.int64) * stride_cp + tile.to(tl.int64) * stride_ct
         num_full = tl.load(count_base)
         num_entries = tl.load(count_base + 1)
         for entry in range(0, num_full, GROUP):
             dk_acc, dv_acc = _bwd_dkdv_step(
-                dk_acc, dv_acc, k_tile, v_tile, k_pos, key_real, q_head_base, do_head_base, lse_head, delta_head,
-                mask_head, list_base, entry, num_entries, q_start, first_pos, seqlen_k,
-                stride_qt, stride_qd, stride_gt, stride_gd, stride_lt, stride_mm, stride_mn, qk_scale,
+                dk_acc, dv_acc, k_tile, v_tile, k_pos, block_in_tile, key_real, q_head_base, do_head_base, lse_head,
+                delta_head, list_base, bits_base, entry, num_entries, q_start, first_pos, seqlen_k,
+                stride_qt, stride_qd, stride_gt, stride_gd, stride_lt, qk_scale,
                 HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_M, UNIT, CAUSAL, False, DOT_PRECISION,
             )
         for entry in range(num_full, num_entries, GROUP):
             dk_acc, dv_acc = _bwd_dkdv_step(
-                dk_acc, dv_acc, k_tile, v_tile, k_pos, key_real, q_head_base, do_head_base, lse_head, delta_head,
-                mask_head, list_base, entry, num_entries, q_start, first_pos, seqlen_k,
-                stride_qt, stride_qd, stride_gt, stride_gd, stride_lt, stride_mm, stride_mn, qk_scale,
+                dk_acc, dv_acc, k_tile, v_tile, k_pos, block_in_tile, key_real, q_head_base, do_head_base, lse_head,
+                delta_head, list_base, bits_base, entry, num_entries, q_start, first_pos, seqlen_k,
+                stride_qt, stride_qd, stride_gt, stride_gd, stride_lt, qk_scale,
                 HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_M, UNIT, CAUSAL, True, DOT_PRECISION,
             )
     dk_head = dk + seq.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
@@ -465,7 +476,7 @@ _UNIT_LIST_CACHE: dict = {}
 
 def build_unit_lists(
     block_mask: torch.Tensor, block_size: int, causal: bool, tile: int, unit: int, group: int, resident_is_query: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per (pattern head, resident tile) the kept units of the other side, full ones first.
 
     Args:
@@ -477,6 +488,8 @@ def build_unit_lists(
     Returns:
         ``units`` int32 ``[P, num_tiles, L]``: unit indices (unit ``u`` covers positions ``u*unit .. u*unit+unit-1``),
         entries ``[0, num_full)`` need no masking, ``[num_full, num_total)`` are partial, the rest is padding;
+        ``bits`` int32 ``[P, num_tiles, L]``: per entry, bit ``b`` set iff block ``b`` of the resident tile (counted
+        from the tile's first block) keeps the unit, so the kernels mask partial entries without a block-mask gather;
         ``counts`` int32 ``[P, num_tiles, 2]`` = ``(num_full, num_total)``, with ``num_full`` rounded down to a
         multiple of ``group`` (the remainder is processed with the masked entries).
     """
@@ -487,14 +500,19 @@ def build_unit_lists(
         num_tiles = -(-num_blocks // per_tile)
         pad = num_tiles * per_tile - num_blocks
         pad_shape = (num_heads, pad, mask.shape[2])
-        kept_some = torch.cat([mask, mask.new_zeros(pad_shape)], 1).reshape(num_heads, num_tiles, per_tile, -1).any(2)
+        per_block = torch.cat([mask, mask.new_zeros(pad_shape)], 1).reshape(num_heads, num_tiles, per_tile, -1)
+        kept_some = per_block.any(2)
         # Padding blocks lie past every sequence (their rows are never real), so they must not veto "kept by all".
         kept_all = torch.cat([mask, mask.new_ones(pad_shape)], 1).reshape(num_heads, num_tiles, per_tile, -1).all(2)
+        block_bits = 1 << torch.arange(per_tile, device=mask.device, dtype=torch.int32)[:, None]  # [per_tile, 1]
+        keep_bits = (per_block.to(torch.int32) * block_bits).sum(2, dtype=torch.int32)
     else:  # a tile is a part of one block
         kept_some = kept_all = mask.repeat_interleave(block_size // tile, dim=1)
+        keep_bits = kept_some.to(torch.int32)
     if unit < block_size:
         kept_some = kept_some.repeat_interleave(block_size // unit, dim=2)
         kept_all = kept_all.repeat_interleave(block_size // unit, dim=2)
+        keep_bits = keep_bits.repeat_interleave(block_size // unit, dim=2)
     num_tiles, num_units = kept_some.shape[1:]
     device = mask.device
 
@@ -517,12 +535,15 @@ def build_unit_lists(
     num_total = kept.sum(-1, dtype=torch.int32)
     width = max(1, int(num_total.max()))
     units = torch.empty(num_heads, num_tiles, width, dtype=torch.int32, device=device)
+    bits = torch.empty(num_heads, num_tiles, width, dtype=torch.int32, device=device)
     heads_per_chunk = max(1, (1 << 26) // max(1, num_tiles * num_units))  # bounds the sort's temporary memory
     for h in range(0, num_heads, heads_per_chunk):
-        units[h : h + heads_per_chunk] = order_key[h : h + heads_per_chunk].sort(-1).values[..., :width] % num_units
+        chunk = slice(h, h + heads_per_chunk)
+        units[chunk] = order_key[chunk].sort(-1).values[..., :width] % num_units
+        bits[chunk] = keep_bits[chunk].gather(-1, units[chunk].long())
     num_full = full.sum(-1, dtype=torch.int32)
     num_full -= num_full % group
-    return units, torch.stack([num_full, num_total], -1)
+    return units, bits, torch.stack([num_full, num_total], -1)
 
 
 def _unit_lists(layout: BlockLayout, tile: int, other_tile: int, resident_is_query: bool):
@@ -676,15 +697,14 @@ def s2_attention_fwd(
     if q.numel() == 0:
         return out, lse.fill_(-math.inf)
     problem = _problem(q, k, layout, varlen)
-    block_mask = layout.block_mask.view(torch.uint8)  # [P, M, N], zero-copy
 
     def launch(config: TileConfig):
-        units, counts = _unit_lists(layout, config.block_m, config.block_n, resident_is_query=True)
+        units, bits, counts = _unit_lists(layout, config.block_m, config.block_n, resident_is_query=True)
         grid = (problem.num_q_tiles(config.block_m), num_q_heads, problem.num_seqs)
         s2_attention_fwd_kernel[grid](
-            q, k, v, out, lse, block_mask, units, counts, problem.cu_seqlens_q, problem.cu_seqlens_k,
+            q, k, v, out, lse, units, bits, counts, problem.cu_seqlens_q, problem.cu_seqlens_k,
             *problem.strides(q), *problem.strides(k), *problem.strides(v), *problem.strides(out),
-            *problem.strides(lse), *block_mask.stride(), *units.stride()[:2], *counts.stride()[:2],
+            *problem.strides(lse), *units.stride()[:2], *counts.stride()[:2],
             seqlen_q, k.shape[2], scale * LOG2E, num_q_heads // layout.num_pattern_heads, num_q_heads // k.shape[1],
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, UNIT=min(layout.block_size, config.block_n),
             num_warps=config.num_warps, num_stages=config.num_stages, **_common_constexprs(q, layout, problem),
@@ -710,7 +730,6 @@ def s2_attention_bwd(
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     problem = _problem(q, k, layout, varlen)
-    block_mask = layout.block_mask.view(torch.uint8)
     constexprs = _common_constexprs(q, layout, problem)
 
     delta = torch.empty(batch, num_q_heads, seqlen_q, dtype=torch.float32, device=q.device)  # [B, Hq, Tq]
@@ -728,22 +747,22 @@ def s2_attention_bwd(
                  num_q_heads // layout.num_pattern_heads, num_q_heads // num_kv_heads)
 
     def launch_dq(config: TileConfig):
-        units, counts = _unit_lists(layout, config.block_m, config.block_n, resident_is_query=True)
+        units, bits, counts = _unit_lists(layout, config.block_m, config.block_n, resident_is_query=True)
         grid = (problem.num_q_tiles(config.block_m), num_q_heads, problem.num_seqs)
         s2_attention_bwd_dq_kernel[grid](
-            q, k, v, dout, lse, delta, dq, block_mask, units, counts, problem.cu_seqlens_q, problem.cu_seqlens_k,
-            *shared_args, *problem.strides(dq), *problem.strides(lse), *block_mask.stride(),
+            q, k, v, dout, lse, delta, dq, units, bits, counts, problem.cu_seqlens_q, problem.cu_seqlens_k,
+            *shared_args, *problem.strides(dq), *problem.strides(lse),
             *units.stride()[:2], *counts.stride()[:2], *tail_args,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, UNIT=min(layout.block_size, config.block_n),
             num_warps=config.num_warps, num_stages=config.num_stages, **constexprs,
         )
 
     def launch_dkdv(config: TileConfig):
-        units, counts = _unit_lists(layout, config.block_n, config.block_m, resident_is_query=False)
+        units, bits, counts = _unit_lists(layout, config.block_n, config.block_m, resident_is_query=False)
         grid = (triton.cdiv(problem.max_seqlen_k, config.block_n), num_kv_heads, problem.num_seqs)
         s2_attention_bwd_dkdv_kernel[grid](
-            q, k, v, dout, lse, delta, dk, dv, block_mask, units, counts, problem.cu_seqlens_q, problem.cu_seqlens_k,
-            *shared_args, *problem.strides(dk), *problem.strides(dv), *problem.strides(lse), *block_mask.stride(),
+            q, k, v, dout, lse, delta, dk, dv, units, bits, counts, problem.cu_seqlens_q, problem.cu_seqlens_k,
+            *shared_args, *problem.strides(dk), *problem.strides(dv), *problem.strides(lse),
             *units.stride()[:2], *counts.stride()[:2], *tail_args,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, UNIT=min(layout.block_size, config.block_m),
             num_warps=config.num_warps, num_stages=config.num_stages, **constexprs,

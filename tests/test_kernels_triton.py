@@ -195,7 +195,7 @@ def test_unit_lists_cover_exactly_the_kept_units():
     """Full entries are kept by every block of the tile and need no causal mask; full + partial = the kept set."""
     pattern = S2Pattern(block_size=16, local_blocks=3, vert_stride=5)
     mask = pattern.block_mask(3, 20, 20)
-    units, counts = triton_impl.build_unit_lists(mask, 16, True, tile=64, unit=16, group=2, resident_is_query=True)
+    units, _, counts = triton_impl.build_unit_lists(mask, 16, True, tile=64, unit=16, group=2, resident_is_query=True)
     for head in range(3):
         for tile in range(units.shape[1]):
             num_full, num_total = counts[head, tile].tolist()
