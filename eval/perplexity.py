@@ -79,21 +79,22 @@ def sliding_window_perplexity(
 
 
 def smollm2_variants() -> dict[str, object]:
-    """The SmolLM2 configurations measured: dense, and S2 hybrids with fewer and fewer dense layers."""
-    from s2_models.smollm2 import smollm2_hybrid_sparsity
+    """The SmolLM2 configurations measured: dense, S2 with the hybrid pattern (every head keeps block 0), and the
+    paper's per-head sharded stripes for contrast."""
+    from s2_models.smollm2 import SHARDED_PATTERN, smollm2_hybrid_sparsity
 
     return {
         "dense (LlamaForCausalLM)": None,
         "S2, all layers dense": "dense",
-        "S2 hybrid, layers 0-3 dense": smollm2_hybrid_sparsity(dense_layers=4),
         "S2 hybrid, layers 0-1 dense": smollm2_hybrid_sparsity(dense_layers=2),
         "S2, all layers sparse": smollm2_hybrid_sparsity(dense_layers=0),
+        "S2 hybrid, layers 0-1 dense, sharded heads": smollm2_hybrid_sparsity(dense_layers=2, pattern=SHARDED_PATTERN),
     }
 
 
 def measure_smollm2(num_tokens: int, window: int, stride: int, batch_size: int, device: str, dtype) -> dict:
     from s2_models.model_card import model_density
-    from s2_models.smollm2 import HYBRID_PATTERN, load_llama, load_s2, load_tokenizer
+    from s2_models.smollm2 import HYBRID_PATTERN, SHARDED_PATTERN, load_llama, load_s2, load_tokenizer
     from s2_models.training.data import heldout_text
 
     tokenizer = load_tokenizer()
@@ -116,6 +117,7 @@ def measure_smollm2(num_tokens: int, window: int, stride: int, batch_size: int, 
         "window": window,
         "stride": stride,
         "s2_pattern": HYBRID_PATTERN,
+        "sharded_pattern": SHARDED_PATTERN,
         "device": device,
         "dtype": str(dtype).removeprefix("torch."),
         "torch": torch.__version__,

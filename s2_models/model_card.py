@@ -33,7 +33,7 @@ def render_model_card(config, metrics: Mapping[str, object] | None = None) -> st
     sparsity = list(config.sparsity)
     if len(sparsity) != config.num_hidden_layers:
         raise ValueError(f"config.sparsity has {len(sparsity)} entries, num_hidden_layers={config.num_hidden_layers}")
-    base_model = getattr(config, "converted_from", None)
+    base_model = getattr(config, "converted_from", None)  # set by the converting loaders; absent when trained as S2
     fields = {
         "model_name": _model_name(config),
         "base_model_front_matter": f"base_model: {base_model}\n" if _is_hub_id(base_model) else "",
@@ -91,7 +91,7 @@ def _is_hub_id(name) -> bool:
 def _derivation(config, base_model) -> str:
     if base_model:
         return (
-            f"Converted from the dense Llama checkpoint `{base_model}` with "
+            f"Converted from the dense Llama checkpoint {base_model} with "
             "`S2LlamaForCausalLM.from_pretrained(llama_checkpoint, sparsity=...)`: every weight is copied unchanged "
             "and only the attention of the sparse layers below is restricted to its S2 pattern. Unless this card's "
             "evaluation says otherwise, the converted model was not retrained after the conversion."

@@ -112,6 +112,16 @@ def test_model_card_states_density_derivation_and_rejects_bad_metrics():
     config.converted_from = "HuggingFaceTB/SmolLM2-135M-Instruct"
     card = render_model_card(config)
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card
-    assert "Converted from the dense Llama checkpoint `HuggingFaceTB/SmolLM2-135M-Instruct`" in card
+    assert "Converted from the dense Llama checkpoint HuggingFaceTB/SmolLM2-135M-Instruct with" in card
     with pytest.raises(ValueError, match="metrics must be a mapping"):
         render_model_card(config, metrics=[("ppl", 3.0)])
+
+
+def test_model_card_reference_numbers_match_the_measurements():
+    from pathlib import Path
+
+    results = json.loads((Path(__file__).parents[1] / "bench/results/smollm2_perplexity.json").read_text())
+    card = render_model_card(tiny_config())
+    dense = results["results"]["dense (LlamaForCausalLM)"]["perplexity"]
+    for entry in results["results"].values():
+        assert f"| {entry['perplexity']:.2f} | {entry['perplexity'] / dense:.2f} |" in card, entry

@@ -82,3 +82,23 @@ def test_hybrid_perplexity_stays_close_to_dense_at_short_context(llama, hybrid, 
     sparse = sliding_window_perplexity(hybrid, heldout_ids, window=128, batch_size=4).perplexity
     assert dense < 60, dense  # a working language model on English prose
     assert dense * 0.95 < sparse < dense * 1.6, (dense, sparse)
+
+
+def test_demo_runs_end_to_end(tokenizer, capsys):
+    from s2_models import demo
+
+    demo.main(["--max-new-tokens", "4", "--ppl-tokens", "512", "--ppl-windows", "128", "--cache-tokens", "256"])
+    out = capsys.readouterr().out
+    for section in ("1. Checkpoint", "2. Sparsity", "3. Greedy continuations", "4. Held-out perplexity", "5. KV-cache"):
+        assert section in out
+    assert "S2 hybrid" in out and "MiB" in out
+
+
+def test_model_card_of_the_converted_checkpoint(hybrid):
+    from s2_models.model_card import render_model_card
+
+    card = render_model_card(hybrid.config, metrics={"held-out perplexity (512-token windows)": 33.87})
+    assert "Converted from the dense Llama checkpoint HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1" in card
+    assert "30 layers: 28 S2-sparse, layers 0, 1 dense" in card
+    assert "| 1 | dense |" in card and "| 29 | S2 | 16 | 4 | 8 | true | - | 0 | 0 | false |" in card, card
+    assert "| held-out perplexity (512-token windows) | 33.87 |" in card

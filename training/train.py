@@ -120,7 +120,7 @@ def build_model(model_args: ModelArguments, vocab_size: int, dtype: torch.dtype)
     from transformers import AutoConfig
 
     from s2_models import S2LlamaConfig, S2LlamaForCausalLM
-    from s2_models.smollm2 import smollm2_llama_dir
+    from s2_models.smollm2 import SOURCE_NAME, smollm2_llama_dir
 
     overrides = parse_overrides(model_args.config_overrides)
     common = {"attn_implementation": model_args.attn_implementation, "dtype": dtype}
@@ -139,7 +139,10 @@ def build_model(model_args: ModelArguments, vocab_size: int, dtype: torch.dtype)
     sparsity = parse_sparsity(spec, num_layers, model_args.pattern, model_args.dense_layers)
     if sparsity is not None:
         overrides["sparsity"] = sparsity
-    return S2LlamaForCausalLM.from_pretrained(path, **overrides, **common)
+    model = S2LlamaForCausalLM.from_pretrained(path, **overrides, **common)
+    if source.model_type != S2LlamaConfig.model_type:  # provenance for the model card (saved in config.json)
+        model.config.converted_from = SOURCE_NAME if model_args.model_name_or_path == "smollm2" else str(path)
+    return model
 
 
 def tokenize_documents(dataset, tokenizer, max_seq_length: int):
