@@ -12,7 +12,7 @@ Any registered lm-eval task name works too where its dataset can be fetched.
 
 Command line::
 
-    python -m s2_models.eval.lm_eval_harness                                # SmolLM2 S2 hybrid, local tasks
+    python -m s2_models.eval.lm_eval_harness             # SmolLM2 dense and S2 hybrid, local tasks, CPU or GPU
     python -m s2_models.eval.lm_eval_harness --model outputs/smollm2-s2 --tasks s2_docs_rolling,hellaswag \\
         --batch-size 8 --device cuda --output bench/results/lm_eval.json
 """
@@ -29,7 +29,7 @@ import torch
 from s2_models.downloads import build_once, cache_dir
 
 LOCAL_TASKS = ("s2_docs_rolling", "s2_docs_last_word")
-TASKS_VERSION = 1  # bump when the data or task definitions change, so cached task folders are rebuilt
+TASKS_VERSION = 2  # bump when the data or task definitions change, so cached task folders are rebuilt
 
 
 def local_tasks_dir(max_paragraphs: int = 200) -> Path:
@@ -71,7 +71,11 @@ def _task_config(task: str, data: Path) -> dict:
             "output_type": "loglikelihood_rolling",
             "doc_to_text": "",
             "doc_to_target": "{{text}}",
-            "metric_list": [{"metric": "word_perplexity"}, {"metric": "byte_perplexity"}, {"metric": "bits_per_byte"}],
+            "metric_list": [
+                {"metric": "word_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
+                {"metric": "byte_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
+                {"metric": "bits_per_byte", "aggregation": "bits_per_byte", "higher_is_better": False},
+            ],
         }
     return common | {
         "output_type": "loglikelihood",
@@ -106,31 +110,44 @@ def evaluate(model, tokenizer, tasks=LOCAL_TASKS, batch_size: int = 4, limit: in
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="checkpoint dir or Hub id (trust_remote_code); default: SmolLM2 S2 hybrid")
+    parser.add_argument("--model", help="checkpoint dir or Hub id (trust_remote_code); default: SmolLM2 dense + S2")
     parser.add_argument("--tasks", default=",".join(LOCAL_TASKS), help="comma-separated lm-eval task names")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
     parser.add_argument("--max-length", type=int, default=None, help="context length lm-eval uses (default: model's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--output", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="JSON path (default: bench/results/smollm2_lm_eval.json without --model, else none)")
     args = parser.parse_args(argv)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
 
     if args.model is None:
-        from s2_models.smollm2 import load_s2, load_tokenizer, smollm2_hybrid_sparsity
+        from s2_models import smollm2
 
-        tokenizer, model = load_tokenizer(), load_s2(smollm2_hybrid_sparsity(), dtype, args.device)
+        tokenizer = smollm2.load_tokenizer()
+        models = {
+            "SmolLM2-135M-Instruct dense": lambda: smollm2.load_llama(dtype, args.device),
+            "SmolLM2-135M-Instruct S2 hybrid (smollm2_hybrid_sparsity())":
+                lambda: smollm2.load_s2(smollm2.smollm2_hybrid_sparsity(), dtype, args.device),
+        }
+        output = args.output or Path("bench/results/smollm2_lm_eval.json")
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-        model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True, dtype=dtype)
-        model = model.to(args.device).eval()
-    results = evaluate(model, tokenizer, args.tasks.split(","), args.batch_size, args.limit, args.max_length)
-    print(json.dumps(results, indent=2))
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps({"model": args.model or "smollm2-s2-hybrid", "results": results}, indent=2))
+        models = {args.model: lambda: AutoModelForCausalLM.from_pretrained(
+            args.model, trust_remote_code=True, dtype=dtype).to(args.device).eval()}
+        output = args.output
+    report = {"device": args.device, "dtype": str(dtype).removeprefix("torch."), "limit": args.limit,
+              "max_length": args.max_length, "models": {}}
+    for name, load in models.items():
+        results = evaluate(load(), tokenizer, args.tasks.split(","), args.batch_size, args.limit, args.max_length)
+        report["models"][name] = results
+        print(name, json.dumps(results, indent=2), flush=True)
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {output}")
 
 
 if __name__ == "__main__":

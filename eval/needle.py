@@ -6,7 +6,7 @@ and the prompt ends with a question. The model generates greedily; a cell scores
 appears in the answer. The grid, with the prompt lengths actually used, is written as JSON.
 
 Command line (``python -m s2_models.eval.needle --help``): a checkpoint (``--model``, loaded with
-``trust_remote_code``) or, by default, SmolLM2-135M-Instruct as the demo's S2 hybrid.
+``trust_remote_code``) or, by default, SmolLM2-135M-Instruct dense and as the demo's S2 hybrid, side by side.
 """
 
 from __future__ import annotations
@@ -75,12 +75,13 @@ def run_needle_grid(model, tokenizer, haystack: str, context_lengths, depths, ma
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="checkpoint dir or Hub id (trust_remote_code); default: SmolLM2 S2 hybrid")
+    parser.add_argument("--model", help="checkpoint dir or Hub id (trust_remote_code); default: SmolLM2 dense + S2")
     parser.add_argument("--lengths", default="256,512,1024", help="comma-separated context lengths in tokens")
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="comma-separated depths in [0, 1]")
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--output", type=Path, default=Path("bench/results/needle.json"))
+    parser.add_argument("--output", type=Path, default=None,
+                        help="JSON path (default: bench/results/smollm2_needle.json, or needle.json with --model)")
     args = parser.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
@@ -89,23 +90,31 @@ def main(argv=None) -> None:
     from s2_models.training.data import heldout_text
 
     if args.model is None:
-        from s2_models.smollm2 import load_s2, load_tokenizer, smollm2_hybrid_sparsity
+        from s2_models import smollm2
 
-        tokenizer = load_tokenizer()
-        model = load_s2(smollm2_hybrid_sparsity(), dtype, args.device)
-        name = "SmolLM2-135M-Instruct, S2 hybrid (s2_models.smollm2.smollm2_hybrid_sparsity())"
+        tokenizer = smollm2.load_tokenizer()
+        models = {
+            "SmolLM2-135M-Instruct dense": lambda: smollm2.load_llama(dtype, args.device),
+            "SmolLM2-135M-Instruct S2 hybrid (smollm2_hybrid_sparsity())":
+                lambda: smollm2.load_s2(smollm2.smollm2_hybrid_sparsity(), dtype, args.device),
+        }
+        output = args.output or Path("bench/results/smollm2_needle.json")
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-        model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True, dtype=dtype)
-        model = model.to(args.device).eval()
-        name = args.model
+        models = {args.model: lambda: AutoModelForCausalLM.from_pretrained(
+            args.model, trust_remote_code=True, dtype=dtype).to(args.device).eval()}
+        output = args.output or Path("bench/results/needle.json")
     haystack = heldout_text(max(lengths) * 8)
-    report = {"model": name, **run_needle_grid(model, tokenizer, haystack, lengths, depths, args.max_new_tokens)}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"accuracy {report['accuracy']:.2f} over {len(report['cells'])} cells; wrote {args.output}")
+    report = {"device": args.device, "dtype": str(dtype).removeprefix("torch."), "models": {}}
+    for name, load in models.items():
+        grid = run_needle_grid(load(), tokenizer, haystack, lengths, depths, args.max_new_tokens)
+        report["models"][name] = grid
+        print(f"{name}: accuracy {grid['accuracy']:.2f} over {len(grid['cells'])} cells", flush=True)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {output}")
 
 
 if __name__ == "__main__":
