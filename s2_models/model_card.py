@@ -52,13 +52,7 @@ def render_model_card(config, metrics: Mapping[str, object] | None = None) -> st
 
 @lru_cache(maxsize=1)
 def _template() -> str:
-    try:
-        return importlib.resources.files("s2_models.model_cards").joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
-    except ModuleNotFoundError:
-        # An editable install made before pyproject mapped ``s2_models.model_cards``: read the source tree.
-        from pathlib import Path
-
-        return (Path(__file__).resolve().parents[1] / "model_cards" / TEMPLATE_NAME).read_text(encoding="utf-8")
+    return importlib.resources.files("s2_models.model_cards").joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
 
 
 def layer_density(spec, config, seq_len: int) -> float:

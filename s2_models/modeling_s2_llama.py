@@ -358,6 +358,15 @@ class S2LlamaPreTrainedModel(PreTrainedModel):
         _write_model_card(self.config, save_directory)
         return super().save_pretrained(save_directory, *args, **kwargs)
 
+    def push_to_hub(self, repo_id: str, **kwargs):
+        """Upload weights, config, remote code and the S2 model card in one commit (``s2_models.hub``); a
+        remote-loaded copy without this package falls back to transformers' ``push_to_hub``."""
+        try:
+            from s2_models.hub import push_s2_model
+        except ImportError:
+            return super().push_to_hub(repo_id, **kwargs)
+        return push_s2_model(self, repo_id, **kwargs)
+
 
 def _write_model_card(config, save_directory) -> None:
     try:  # only with the package installed; the remote copy does not carry the card renderer

@@ -5,6 +5,10 @@ lines, resolved as siblings. It cannot follow ``from .kernels.pattern import`` i
 subpackage, so the S2 classes export their files themselves: the configuration and modeling files with
 ``from .kernels.X import`` rewritten to ``from .X import``, and every kernel file they reach, all flat in the
 checkpoint folder. The same code runs from the flat copy (a remote-loaded model re-saves the same files).
+
+This is also why the classes are not ``register_for_auto_class``-ed: that would route ``save_pretrained`` through
+``custom_object_save`` (and make transformers treat the model as Hub code in generation and DeepSpeed paths);
+``auto_map`` and the code files it would write are written here instead.
 """
 
 from __future__ import annotations
