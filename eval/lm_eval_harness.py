@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from s2_models.downloads import build_once, cache_dir
+from s2_models.eval.models import default_dtype, models_to_evaluate, write_report
 
 LOCAL_TASKS = ("s2_docs_rolling", "s2_docs_last_word")
 TASKS_VERSION = 2  # bump when the data or task definitions change, so cached task folders are rebuilt
@@ -119,35 +120,16 @@ def main(argv=None) -> None:
     parser.add_argument("--output", type=Path, default=None,
                         help="JSON path (default: bench/results/smollm2_lm_eval.json without --model, else none)")
     args = parser.parse_args(argv)
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-
-    if args.model is None:
-        from s2_models import smollm2
-
-        tokenizer = smollm2.load_tokenizer()
-        models = {
-            "SmolLM2-135M-Instruct dense": lambda: smollm2.load_llama(dtype, args.device),
-            "SmolLM2-135M-Instruct S2 hybrid (smollm2_hybrid_sparsity())":
-                lambda: smollm2.load_s2(smollm2.smollm2_hybrid_sparsity(), dtype, args.device),
-        }
-        output = args.output or Path("bench/results/smollm2_lm_eval.json")
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        models = {args.model: lambda: AutoModelForCausalLM.from_pretrained(
-            args.model, trust_remote_code=True, dtype=dtype).to(args.device).eval()}
-        output = args.output
+    dtype = default_dtype(args.device)
+    tokenizer, models = models_to_evaluate(args.model, dtype, args.device)
+    output = args.output or (Path("bench/results/smollm2_lm_eval.json") if args.model is None else None)
     report = {"device": args.device, "dtype": str(dtype).removeprefix("torch."), "limit": args.limit,
               "max_length": args.max_length, "models": {}}
     for name, load in models.items():
         results = evaluate(load(), tokenizer, args.tasks.split(","), args.batch_size, args.limit, args.max_length)
         report["models"][name] = results
         print(name, json.dumps(results, indent=2), flush=True)
-    if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {output}")
+    write_report(report, output)
 
 
 if __name__ == "__main__":

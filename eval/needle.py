@@ -12,11 +12,12 @@ Command line (``python -m s2_models.eval.needle --help``): a checkpoint (``--mod
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from pathlib import Path
 
 import torch
+
+from s2_models.eval.models import default_dtype, models_to_evaluate, write_report
 
 QUESTION = "\n\nWhat is the magic number mentioned in the text above? The magic number is"
 
@@ -85,36 +86,19 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    dtype = default_dtype(args.device)
 
     from s2_models.training.data import heldout_text
 
-    if args.model is None:
-        from s2_models import smollm2
-
-        tokenizer = smollm2.load_tokenizer()
-        models = {
-            "SmolLM2-135M-Instruct dense": lambda: smollm2.load_llama(dtype, args.device),
-            "SmolLM2-135M-Instruct S2 hybrid (smollm2_hybrid_sparsity())":
-                lambda: smollm2.load_s2(smollm2.smollm2_hybrid_sparsity(), dtype, args.device),
-        }
-        output = args.output or Path("bench/results/smollm2_needle.json")
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        models = {args.model: lambda: AutoModelForCausalLM.from_pretrained(
-            args.model, trust_remote_code=True, dtype=dtype).to(args.device).eval()}
-        output = args.output or Path("bench/results/needle.json")
+    tokenizer, models = models_to_evaluate(args.model, dtype, args.device)
+    output = args.output or Path("bench/results/" + ("smollm2_needle.json" if args.model is None else "needle.json"))
     haystack = heldout_text(max(lengths) * 8)
     report = {"device": args.device, "dtype": str(dtype).removeprefix("torch."), "models": {}}
     for name, load in models.items():
         grid = run_needle_grid(load(), tokenizer, haystack, lengths, depths, args.max_new_tokens)
         report["models"][name] = grid
         print(f"{name}: accuracy {grid['accuracy']:.2f} over {len(grid['cells'])} cells", flush=True)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {output}")
+    write_report(report, output)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from s2_models.eval.models import default_dtype, models_to_evaluate, write_report
+
 DEFAULT_OUTPUT = Path("bench/results/smollm2_perplexity.json")
 
 
@@ -147,29 +149,23 @@ def main(argv=None) -> None:
                         help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--output", type=Path, default=None, help=f"JSON path (SmolLM2 default: {DEFAULT_OUTPUT})")
     args = parser.parse_args(argv)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    dtype = getattr(torch, args.dtype) if args.dtype else default_dtype(args.device)
     stride = args.stride or args.window
 
     if args.model is None:
         report = measure_smollm2(args.tokens, args.window, stride, args.batch_size, args.device, dtype)
         output = args.output or DEFAULT_OUTPUT
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         from s2_models.training.data import heldout_text
 
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True, dtype=dtype)
-        model = model.to(args.device).eval()
+        tokenizer, models = models_to_evaluate(args.model, dtype, args.device)
+        model = models[args.model]()
         ids = heldout_text_ids(tokenizer, args.tokens, heldout_text)
         result = sliding_window_perplexity(model, ids, args.window, stride, args.batch_size)
         report = {"model": args.model, "device": args.device, "dtype": str(dtype), **asdict(result)}
         print(json.dumps(report, indent=2))
         output = args.output
-    if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {output}")
+    write_report(report, output)
 
 
 if __name__ == "__main__":

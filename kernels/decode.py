@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
+from .interface import check_scale, use_triton
 from .pattern import S2Pattern
 
-BACKENDS = ("auto", "triton", "torch")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: PyTorch path only
 # Upper bound on score elements materialized per chunk of queries by the PyTorch path (float32: 4 bytes each).
 _MAX_SCORE_ELEMENTS = 1 << 25
@@ -215,24 +214,16 @@ def s2_decode_attention(
         ``[B, Hq, Tq, D]`` in q's dtype; rows of padding queries (or that see no key) are 0.
     """
     _check_inputs(q, k_cache, v_cache, seq_lens, layout, num_ring_slots)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a finite positive number, got {scale!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    scale = check_scale(scale, q.shape[-1])
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be an integer >= 1, got {num_splits!r}")
-    if backend == "torch" or (backend == "auto" and not q.is_cuda):
-        return decode_attention_torch(q, k_cache, v_cache, seq_lens, layout, num_ring_slots, float(scale))
-    if q.dtype == torch.float64:
-        raise ValueError('backend="triton" supports float16, bfloat16 and float32; float64 runs on backend="torch"')
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError('backend="triton" needs CUDA tensors (or TRITON_INTERPRET=1 to interpret on the CPU)')
+    if not use_triton(backend, q):
+        return decode_attention_torch(q, k_cache, v_cache, seq_lens, layout, num_ring_slots, scale)
     try:
         from .decode_triton import decode_attention_triton
     except ImportError as e:  # no Triton on this machine
         raise ValueError(f'backend="triton" needs Triton, which failed to import: {e}') from e
-    return decode_attention_triton(q, k_cache, v_cache, seq_lens, layout, num_ring_slots, float(scale), num_splits)
+    return decode_attention_triton(q, k_cache, v_cache, seq_lens, layout, num_ring_slots, scale, num_splits)
 
 
 def _check_inputs(q, k_cache, v_cache, seq_lens, layout, num_ring_slots):

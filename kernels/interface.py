@@ -109,9 +109,7 @@ def s2_attention(
     _check_tensors(q, k, v)
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool, got {causal!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    scale = _check_scale(scale, q.shape[-1])
+    scale = check_scale(scale, q.shape[-1])
 
     if attention_mask is not None and cu_seqlens_q is not None:
         raise ValueError("pass either attention_mask (padded batch) or cu_seqlens_q/cu_seqlens_k (packed), not both")
@@ -159,7 +157,8 @@ def _check_tensors(q, k, v):
         raise ValueError(f"the query heads Hq={hq} must be a multiple of the KV heads Hkv={hkv}")
 
 
-def _check_scale(scale, head_dim):
+def check_scale(scale, head_dim: int) -> float:
+    """The softmax scale: ``head_dim ** -0.5`` for ``None``, else a finite positive number."""
     if scale is None:
         return head_dim**-0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
@@ -240,16 +239,24 @@ def _resolve_layout(q, k, pattern, block_mask, block_size, causal, max_seqlen_k)
     return BlockLayout(block_mask, block_size, causal, None)
 
 
-def _select_backend(backend: str, q: torch.Tensor):
-    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
-    if not use_triton:
-        from .torch_impl import s2_attention_torch
-
-        return s2_attention_torch
+def use_triton(backend: str, q: torch.Tensor) -> bool:
+    """Whether ``backend`` runs Triton for inputs like ``q`` (``"auto"``: on CUDA); refuses what Triton can't run."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not (backend == "triton" or (backend == "auto" and q.is_cuda)):
+        return False
     if q.dtype == torch.float64:
         raise ValueError('backend="triton" supports float16, bfloat16 and float32; float64 runs on backend="torch"')
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError('backend="triton" needs CUDA tensors (or TRITON_INTERPRET=1 to interpret on the CPU)')
+    return True
+
+
+def _select_backend(backend: str, q: torch.Tensor):
+    if not use_triton(backend, q):
+        from .torch_impl import s2_attention_torch
+
+        return s2_attention_torch
     try:
         from .triton_impl import s2_attention_triton
     except ImportError as e:  # no Triton on this machine

@@ -90,3 +90,21 @@ def test_lm_eval_runs_the_local_tasks_offline(model, tokenizer):
     assert set(results) == set(LOCAL_TASKS)
     assert results["s2_docs_rolling"]["byte_perplexity"] > 1.0
     assert 0.0 <= results["s2_docs_last_word"]["acc"] <= 1.0
+
+
+def test_clis_evaluate_a_saved_checkpoint(model, tokenizer, tmp_path):
+    """The ``--model`` path of the CLIs: a saved S2 folder, loaded with trust_remote_code, reported as JSON."""
+    from s2_models.eval import perplexity
+
+    checkpoint = tmp_path / "ckpt"
+    model.save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    report_path = tmp_path / "needle.json"
+    needle.main(["--model", str(checkpoint), "--lengths", "96", "--depths", "0.5", "--max-new-tokens", "2",
+                 "--device", "cpu", "--output", str(report_path)])
+    report = json.loads(report_path.read_text())
+    assert list(report["models"]) == [str(checkpoint)] and len(report["models"][str(checkpoint)]["cells"]) == 1
+    perplexity_path = tmp_path / "ppl.json"
+    perplexity.main(["--model", str(checkpoint), "--tokens", "256", "--window", "64", "--device", "cpu",
+                     "--output", str(perplexity_path)])
+    assert json.loads(perplexity_path.read_text())["perplexity"] > 1.0
