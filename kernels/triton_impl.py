@@ -575,21 +575,24 @@ INTERPRETER_CONFIGS = {
 }
 
 # GPU candidates per kernel and head-dim class (small: D <= 64, medium: D <= 128, large: D <= 256).
+# num_stages is 1 everywhere: with Triton 3.6 on H100, software pipelining (num_stages >= 2) of these loops gives
+# wrong 16-bit results (wgmma path; fp32/IEEE is fine), measured in bench/NOTES.md. Do not raise it without the
+# GPU tests (tests/test_kernels_triton.py -m gpu use the first candidate of each list).
+def _unpipelined(*tiles: tuple[int, int, int]) -> list[TileConfig]:
+    """``(block_m, block_n, num_warps)`` triples as configs with ``num_stages=1``."""
+    return [TileConfig(block_m, block_n, num_warps, 1) for block_m, block_n, num_warps in tiles]
+
+
 _CANDIDATES = {
-    ("fwd", "small"): [TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3), TileConfig(64, 64, 4, 3)],
-    ("fwd", "medium"): [TileConfig(128, 64, 8, 3), TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 2),
-                        TileConfig(64, 64, 4, 3)],
-    ("fwd", "large"): [TileConfig(64, 64, 4, 2), TileConfig(128, 64, 8, 2), TileConfig(64, 32, 4, 2),
-                       TileConfig(128, 32, 8, 2)],
-    ("dq", "small"): [TileConfig(128, 64, 8, 2), TileConfig(64, 64, 4, 3), TileConfig(128, 128, 8, 2)],
-    ("dq", "medium"): [TileConfig(128, 64, 8, 2), TileConfig(64, 64, 4, 2), TileConfig(128, 32, 8, 2),
-                       TileConfig(64, 32, 4, 3)],
-    ("dq", "large"): [TileConfig(64, 32, 4, 2), TileConfig(64, 64, 8, 2), TileConfig(32, 64, 4, 2)],
-    ("dkdv", "small"): [TileConfig(64, 128, 8, 2), TileConfig(64, 64, 4, 3), TileConfig(32, 128, 4, 3)],
-    ("dkdv", "medium"): [TileConfig(64, 128, 8, 2), TileConfig(32, 128, 8, 2), TileConfig(64, 64, 4, 2),
-                         TileConfig(32, 64, 4, 3)],
-    ("dkdv", "large"): [TileConfig(32, 64, 4, 2), TileConfig(16, 64, 4, 2), TileConfig(32, 32, 4, 2),
-                        TileConfig(64, 64, 8, 2)],
+    ("fwd", "small"): _unpipelined((128, 64, 4), (128, 128, 8), (64, 64, 4)),
+    ("fwd", "medium"): _unpipelined((128, 64, 8), (128, 64, 4), (128, 128, 8), (64, 64, 4)),
+    ("fwd", "large"): _unpipelined((64, 64, 4), (128, 64, 8), (64, 32, 4), (128, 32, 8)),
+    ("dq", "small"): _unpipelined((128, 64, 8), (64, 64, 4), (128, 128, 8)),
+    ("dq", "medium"): _unpipelined((128, 64, 8), (64, 64, 4), (128, 32, 8), (64, 32, 4)),
+    ("dq", "large"): _unpipelined((64, 32, 4), (64, 64, 8), (32, 64, 4)),
+    ("dkdv", "small"): _unpipelined((64, 128, 8), (64, 64, 4), (32, 128, 4)),
+    ("dkdv", "medium"): _unpipelined((64, 128, 8), (32, 128, 8), (64, 64, 4), (32, 64, 4)),
+    ("dkdv", "large"): _unpipelined((32, 64, 4), (16, 64, 4), (32, 32, 4), (64, 64, 8)),
 }
 
 _TUNED_CONFIGS: dict = {}  # (kernel, *shape key) -> winning TileConfig
