@@ -17,19 +17,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
-import triton
-import triton.language as tl
 
 from .decode import CompactLayout
-from .triton_impl import _patch_interpreter_loop_bounds
+from .triton_setup import tl, triton
 
 LOG2E = math.log2(math.e)
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_interpreter_loop_bounds()  # runtime loop bounds under NumPy >= 2.4 (see triton_impl.py)
 
 
 @triton.jit

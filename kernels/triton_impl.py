@@ -31,37 +31,13 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
 from .interface import BlockLayout, Varlen
+from .triton_setup import tl, triton
 
 LOG2E = math.log2(math.e)
 
 
-def _patch_interpreter_loop_bounds() -> None:
-    """Make runtime loop bounds work in Triton's interpreter with NumPy >= 2.4.
-
-    The interpreter (Triton 3.6) holds every scalar as a 1-element array and turns loop bounds into ints with
-    ``int(array)``, which NumPy 2.4 rejects ("only 0-dimensional arrays can be converted"). ``.item()`` works on
-    every NumPy. Only applied under ``TRITON_INTERPRET=1``; compiled kernels are unaffected.
-    """
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "s2_loop_bound_fix", False):
-        return
-
-    def patch_lang_tensor(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    patch_lang_tensor.s2_loop_bound_fix = True
-    interpreter._patch_lang_tensor = patch_lang_tensor
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_interpreter_loop_bounds()
 
 
 # ============================================================================================== kernels

@@ -1,0 +1,41 @@
+"""Importing Triton for the kernel files: a clear error where it is missing, and an interpreter fix.
+
+Kernel files do ``from .triton_setup import tl, triton``. The import sits in ``try`` so that transformers'
+``check_imports`` (which skips ``try`` blocks) lets a ``trust_remote_code`` checkpoint load on machines without
+Triton; there the kernels are never imported (``interface.py`` imports them lazily) and the PyTorch path runs.
+"""
+
+import os
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # no Triton on this machine (macOS, Windows, some CPU images)
+    raise ImportError(f"the S2 Triton kernels need Triton: {e}") from e
+
+
+def _patch_interpreter_loop_bounds() -> None:
+    """Make runtime loop bounds work in Triton's interpreter with NumPy >= 2.4.
+
+    The interpreter (Triton 3.6) holds every scalar as a 1-element array and turns loop bounds into ints with
+    ``int(array)``, which NumPy 2.4 rejects ("only 0-dimensional arrays can be converted"). ``.item()`` works on
+    every NumPy. Only applied under ``TRITON_INTERPRET=1``; compiled kernels are unaffected.
+    """
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "s2_loop_bound_fix", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patch_lang_tensor.s2_loop_bound_fix = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter_loop_bounds()
+
+__all__ = ["tl", "triton"]
