@@ -124,3 +124,27 @@ def test_generate_beam_search_and_sampling_match_full_cache():
         full = model.generate(ids, max_new_tokens=20, pad_token_id=0, eos_token_id=None,
                               past_key_values=DynamicCache(), **kwargs)
         assert torch.equal(compact, full)
+
+
+@pytest.mark.gpu
+def test_generate_on_gpu_with_triton_kernels_left_padded():
+    """On CUDA the prefill runs the Triton S2 kernel and decoding the Triton decode kernel over the compact cache:
+    incremental logits equal full-forward logits, and cached greedy generation equals full recomputation."""
+    torch.manual_seed(0)
+    model = tiny_model().cuda()
+    ids = torch.randint(3, 100, (2, 300), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :45] = 0  # left padding
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0,
+                         eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+    assert all(layer.is_compact for layer in out.past_key_values.layers[1:])
+    full_mask = torch.cat([mask, torch.ones_like(out.sequences[:, ids.shape[1]:])], 1)
+    with torch.no_grad():
+        full = model(out.sequences, attention_mask=full_mask, use_cache=False).logits
+    incremental = torch.stack(out.logits, 1)  # [B, new, V]
+    torch.testing.assert_close(incremental, full[:, ids.shape[1] - 1 : -1], atol=2e-4, rtol=1e-4)
+    recomputed = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, use_cache=False,
+                                pad_token_id=0, eos_token_id=None)
+    assert torch.equal(out.sequences, recomputed)
+    alone = model.generate(ids[1:, 45:], max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(out.sequences[1:, 45:], alone)
