@@ -13,11 +13,13 @@ Self-contained on purpose (transformers + the flat kernel files only): it is cop
 saved checkpoint so that ``trust_remote_code`` loading works without this package installed.
 """
 
+import contextlib
 import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, AttentionMaskInterface, GenerationMixin
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask
@@ -113,6 +115,11 @@ def s2_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+# Decoding changes the key length every call, and cuDNN builds a new execution plan for every new shape (~20 ms on
+# an H100, more than the whole step); FlashAttention and the memory-efficient kernel have no such cost.
+_DECODE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def dense_attention(query, key, value, scale, dropout=0.0, key_padding_mask=None, cu_seqlens_q=None,
                     cu_seqlens_k=None):
     """Causal dense attention through SDPA, queries bottom-right aligned; same inputs as ``s2_attention``.
@@ -130,10 +137,12 @@ def dense_attention(query, key, value, scale, dropout=0.0, key_padding_mask=None
     tq, tk = query.shape[2], key.shape[2]
     if key_padding_mask is None and (tq == tk or tq == 1):
         # Unmasked: FlashAttention-class kernels on CUDA (a single query sees every key).
-        return F.scaled_dot_product_attention(
-            query, key, value, dropout_p=dropout, scale=scale, is_causal=tq > 1,
-            enable_gqa=query.shape[1] != key.shape[1]
-        )
+        decoding = tq != tk and query.is_cuda
+        with sdpa_kernel(_DECODE_SDPA_BACKENDS) if decoding else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(
+                query, key, value, dropout_p=dropout, scale=scale, is_causal=tq > 1,
+                enable_gqa=query.shape[1] != key.shape[1]
+            )
     q_pos = torch.arange(tk - tq, tk, device=query.device)
     mask = (torch.arange(tk, device=query.device) <= q_pos[:, None])[None, None]  # [1, 1, Tq, Tk]
     real_q = None

@@ -170,9 +170,11 @@ def test_left_padded_generation_equals_single_sequence_generation(implementation
     short, long = tokens(1, 12), tokens(1, 35)
     ids = torch.cat([torch.cat([torch.zeros(1, 23, dtype=torch.long), short], 1), long])
     mask = torch.cat([torch.cat([torch.zeros(1, 23), torch.ones(1, 12)], 1), torch.ones(1, 35)]).long()
-    batched = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    # no EOS: a random model may emit it early, and the batch then pads that row while the single run stops
+    batched = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0,
+                             eos_token_id=None)
     for row, seq in enumerate((short, long)):
-        single = model.generate(seq, max_new_tokens=20, do_sample=False, pad_token_id=0)
+        single = model.generate(seq, max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
         assert torch.equal(batched[row, 35:], single[0, seq.shape[1] :])
 
 
