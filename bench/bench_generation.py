@@ -13,12 +13,14 @@ import argparse
 import json
 import time
 import traceback
+from dataclasses import asdict
 
 import torch
 
 from s2_models import S2LlamaConfig, S2LlamaForCausalLM, hybrid_sparsity
 from s2_models.cache_s2_llama import S2CacheLayer, kv_cache_bytes
 from s2_models.kernels.decode import s2_decode_attention
+from s2_models.kernels.decode_triton import DecodeTiles, decode_attention_triton
 
 PATTERN = {"block_size": 64, "local_blocks": 16, "vert_stride": 16}
 SHAPES = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -96,23 +98,66 @@ def speed(model, batch, length):
             "decode_tokens_per_s": batch / step}
 
 
-def kernel_bandwidth(sparse, batch, length):
-    _, out = prefill(sparse, batch, length)
-    layer = next(layer for layer in out.past_key_values.layers if isinstance(layer, S2CacheLayer))
-    q = torch.randn(batch, SHAPES["num_attention_heads"], 1, SHAPES["head_dim"], device="cuda", dtype=torch.bfloat16)
-    run = lambda: s2_decode_attention(q, layer.keys, layer.values, layer.seq_lens, layout=layer.layout,  # noqa: E731
-                                      num_ring_slots=layer.num_ring)
+def graph_seconds(run, calls: int, replays: int = 20) -> float:
+    """Seconds per ``run()`` from replays of a CUDA graph of ``calls`` calls: launch overhead stays out."""
     run()
-    seconds, _ = timed(run, 200)
-    read = layer.keys.numel() * 2 * 2  # K and V, bf16
-    src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            run()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / (replays * calls)
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a large device-to-device copy, counting bytes read and written."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    copy_s, _ = timed(lambda: dst.copy_(src), 50)
-    copy_bw = 2 * src.numel() / copy_s
-    return {"batch": batch, "context": length, "bytes_read": read, "seconds": seconds,
-            "achieved_GBps": read / seconds / 1e9, "copy_GBps": copy_bw / 1e9,
-            "fraction_of_copy_bandwidth": read / seconds / copy_bw}
+    return 2 * src.numel() / graph_seconds(lambda: dst.copy_(src), calls=5)
+
+
+DECODE_TILES = [DecodeTiles(n, warps, stages) for n in (64, 128) for warps in (4, 8) for stages in (1, 2, 3)]
+
+
+def kernel_bandwidth(sparse, batch, length):
+    """The decode kernel over every sparse layer's compact cache in turn (so the L2 cache does not serve the
+    reads), for each launch shape: time, bandwidth over the bytes of the compact caches, error vs the PyTorch path."""
+    _, out = prefill(sparse, batch, length)
+    layers = [layer for layer in out.past_key_values.layers if isinstance(layer, S2CacheLayer)]
+    q = torch.randn(batch, SHAPES["num_attention_heads"], 1, SHAPES["head_dim"], device="cuda", dtype=torch.bfloat16)
+    first = layers[0]
+    reference = s2_decode_attention(q.float(), first.keys.float(), first.values.float(), first.seq_lens,
+                                    layout=first.layout, num_ring_slots=first.num_ring, backend="torch")
+    read = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in layers)  # K and V
+    copy_bw = copy_bandwidth()
+    configs = []
+    for tiles in DECODE_TILES:
+        def run_all(tiles=tiles):
+            for layer in layers:
+                decode_attention_triton(q, layer.keys, layer.values, layer.seq_lens, layer.layout, layer.num_ring,
+                                        SHAPES["head_dim"] ** -0.5, None, tiles)
+
+        try:
+            seconds = graph_seconds(run_all, calls=2)
+            check = decode_attention_triton(q, first.keys, first.values, first.seq_lens, first.layout, first.num_ring,
+                                            SHAPES["head_dim"] ** -0.5, None, tiles)
+            configs.append({**asdict(tiles), "us_per_layer": seconds / len(layers) * 1e6,
+                            "fraction_of_copy_bandwidth": read / seconds / copy_bw,
+                            "max_error_vs_torch": (check.float() - reference).abs().max().item()})
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for one shape; record and go on
+            configs.append({**asdict(tiles), "error": f"{type(e).__name__}: {e}"[:300]})
+    best = min((c for c in configs if "us_per_layer" in c), key=lambda c: c["us_per_layer"])
+    default = configs[DECODE_TILES.index(DecodeTiles())]
+    return {"batch": batch, "context": length, "sparse_layers": len(layers),
+            "bytes_read_per_layer": read // len(layers), "copy_GBps": copy_bw / 1e9, "default": default, "best": best,
+            "configs": configs}
 
 
 def main():

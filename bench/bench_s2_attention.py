@@ -111,7 +111,13 @@ def flex(pattern: S2Pattern, heads: int, kv_heads: int, seqlen: int, flex_block:
     block_mask = create_block_mask(mask_mod, None, heads, seqlen, seqlen, device="cuda", BLOCK_SIZE=flex_block,
                                    _compile=True)
     compiled = torch.compile(flex_attention, dynamic=False)
-    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, enable_gqa=kv_heads != heads)
+    # Flex's default kernel tiles (128 rows) must divide its mask blocks: smaller mask blocks need smaller tiles.
+    tiles = None if flex_block >= 128 else {
+        "BLOCK_M": flex_block, "BLOCK_N": flex_block,  # forward
+        "BLOCK_M1": flex_block // 2, "BLOCK_N1": flex_block, "BLOCK_M2": flex_block, "BLOCK_N2": flex_block // 2,
+    }
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, enable_gqa=kv_heads != heads,
+                                    kernel_options=tiles)
 
 
 def s2(pattern: S2Pattern):

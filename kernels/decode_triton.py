@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
 from .decode import CompactLayout
+from .triton_impl import row_mask
 from .triton_setup import tl, triton
 
 LOG2E = math.log2(math.e)
@@ -74,10 +76,9 @@ def s2_decode_fwd_kernel(
     vertical_shift = pattern_head * head_step + head_offset
 
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
     q_ptrs = q + batch.to(tl.int64) * stride_qb + q_head.to(tl.int64)[:, None] * stride_qh
     q_ptrs += t.to(tl.int64)[:, None] * stride_qt + d[None, :] * stride_qd
-    q_tile = tl.load(q_ptrs, mask=row_real[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    q_tile = tl.load(q_ptrs, mask=row_mask(row_real, HEAD_DIM, BLOCK_D), other=0.0)  # [BLOCK_M, BLOCK_D]
     k_head = k_cache + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_head = v_cache + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
     kv_residues = residues + kv_head.to(tl.int64) * stride_rh
@@ -96,7 +97,7 @@ def s2_decode_fwd_kernel(
         k_pos = block * BLOCK_SIZE + key_rows % BLOCK_SIZE
         key_ok = (key_rows < end) & (block >= 0) & (k_pos < seq_len)
         k_ptrs = k_head + key_rows.to(tl.int64)[:, None] * stride_kt + d[None, :] * stride_kd
-        k_tile = tl.load(k_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        k_tile = tl.load(k_ptrs, mask=row_mask(key_ok, HEAD_DIM, BLOCK_D), other=0.0)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         kept = (q_block[:, None] - block[None, :] < LOCAL_BLOCKS) | dense_row[:, None]
         kept = kept | ((block[None, :] + vertical_shift[:, None]) % VERT_STRIDE == 0)
@@ -108,7 +109,7 @@ def s2_decode_fwd_kernel(
         p = tl.math.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_ptrs = v_head + key_rows.to(tl.int64)[:, None] * stride_vt + d[None, :] * stride_vd
-        v_tile = tl.load(v_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        v_tile = tl.load(v_ptrs, mask=row_mask(key_ok, HEAD_DIM, BLOCK_D), other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -117,7 +118,7 @@ def s2_decode_fwd_kernel(
     row_ok = t < seqlen_q
     o_ptrs = out + split.to(tl.int64) * stride_os + batch.to(tl.int64) * stride_ob
     o_ptrs += q_head.to(tl.int64)[:, None] * stride_oh + t.to(tl.int64)[:, None] * stride_ot + d[None, :] * stride_od
-    tl.store(o_ptrs, (acc / l_safe[:, None]).to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(o_ptrs, (acc / l_safe[:, None]).to(out.dtype.element_ty), mask=row_mask(row_ok, HEAD_DIM, BLOCK_D))
     l_ptrs = lse + split.to(tl.int64) * stride_ls + batch.to(tl.int64) * stride_lb
     l_ptrs += q_head.to(tl.int64) * stride_lh + t.to(tl.int64) * stride_lt
     tl.store(l_ptrs, tl.where(seen, m_i + tl.math.log2(l_safe), -float("inf")), mask=row_ok)
@@ -174,16 +175,28 @@ def _choose_num_splits(programs: int, num_tiles: int, device: torch.device) -> i
     return max(1, min(-(-target // programs), num_tiles // 4))
 
 
+@dataclass(frozen=True)
+class DecodeTiles:
+    """Launch shape of ``s2_decode_fwd_kernel``: keys per iteration, warps, software-pipelining depth."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
 def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout, num_ring: int, scale: float,
-                            num_splits: int | None):
-    """Backend of ``decode.s2_decode_attention`` (inputs validated there). Returns ``[B, Hq, Tq, D]``."""
+                            num_splits: int | None, tiles: DecodeTiles | None = None):
+    """Backend of ``decode.s2_decode_attention`` (inputs validated there). Returns ``[B, Hq, Tq, D]``.
+
+    ``tiles`` overrides the default launch shape (``bench/bench_generation.py`` sweeps it)."""
     b, hq, tq, d = q.shape
     hkv, bs = layout.num_kv_heads, layout.block_size
     num_slots = k_cache.shape[2] // bs
     pattern = layout.pattern
     residues, ranks, counts = layout.tables(q.device)
+    tiles = tiles or DecodeTiles()
     block_d = max(16, triton.next_power_of_2(d))
-    block_n = max(bs, 64)
+    block_n = max(bs, tiles.block_n)
     rows = tq * layout.q_heads_per_kv
     block_m = max(16, min(64, triton.next_power_of_2(rows)))
     num_row_tiles = triton.cdiv(rows, block_m)
@@ -214,7 +227,7 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
         pattern.local_blocks, layout.ring_blocks, pattern.vert_stride,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if num_splits > 1:
         block_t = max(1, min(16, triton.next_power_of_2(tq)))

@@ -82,7 +82,7 @@ def _visible(keep_bits, block_in_tile, q_pos, k_pos, valid, CAUSAL: tl.constexpr
 
 
 @triton.jit
-def _row_mask(row_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def row_mask(row_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """``[rows, BLOCK_D]`` mask. Without D padding it is constant along D, which keeps the loads vectorized (and
     eligible for cp.async pipelining); a per-column ``d < HEAD_DIM`` term would force element-wise accesses."""
     if HEAD_DIM == BLOCK_D:
@@ -96,14 +96,14 @@ def _load_rows(base, rows, row_ok, stride_t, stride_d, HEAD_DIM: tl.constexpr, B
     """Load ``[len(rows), BLOCK_D]`` (zero for rows not ok and for the D padding)."""
     d = tl.arange(0, BLOCK_D)
     ptrs = base + rows.to(tl.int64)[:, None] * stride_t + d[None, :] * stride_d
-    return tl.load(ptrs, mask=_row_mask(row_ok, HEAD_DIM, BLOCK_D), other=0.0)
+    return tl.load(ptrs, mask=row_mask(row_ok, HEAD_DIM, BLOCK_D), other=0.0)
 
 
 @triton.jit
 def _store_rows(base, value, rows, row_ok, stride_t, stride_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     d = tl.arange(0, BLOCK_D)
     ptrs = base + rows.to(tl.int64)[:, None] * stride_t + d[None, :] * stride_d
-    tl.store(ptrs, value.to(base.dtype.element_ty), mask=_row_mask(row_ok, HEAD_DIM, BLOCK_D))
+    tl.store(ptrs, value.to(base.dtype.element_ty), mask=row_mask(row_ok, HEAD_DIM, BLOCK_D))
 
 
 @triton.jit

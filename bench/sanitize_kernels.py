@@ -1,0 +1,33 @@
+"""Run every Triton kernel once on small odd shapes, for compute-sanitizer (memcheck): no out-of-bounds access."""
+
+import torch
+
+from s2_models.kernels import S2Pattern, s2_attention
+from s2_models.kernels.decode import CompactLayout, s2_decode_attention
+
+torch.manual_seed(0)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: TRITON_INTERPRET=1, to check the script itself
+for dtype in (torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.float16,):
+    for pattern, (tq, tk), d in [
+        (S2Pattern(16, 2, 4), (77, 77), 64),
+        (S2Pattern(64, 2, 3, num_dense_heads=1), (1, 300), 128),
+        (S2Pattern(32, 1, 2, per_query_head=True), (130, 200), 80),
+    ]:
+        q = torch.randn(2, 8, tq, d, device=DEVICE, dtype=dtype, requires_grad=True)
+        k = torch.randn(2, 2, tk, d, device=DEVICE, dtype=dtype, requires_grad=True)
+        v = torch.randn(2, 2, tk, d, device=DEVICE, dtype=dtype, requires_grad=True)
+        out, lse = s2_attention(q, k, v, pattern, return_lse=True)
+        (out.float().sum() + lse.sum()).backward()
+        cu = torch.tensor([0, 0, 33, tk], device=DEVICE, dtype=torch.int32)
+        s2_attention(k.detach()[:1].repeat(1, 4, 1, 1), k.detach()[:1], v.detach()[:1], pattern, cu_seqlens_q=cu,
+                     cu_seqlens_k=cu, max_seqlen_q=tk, max_seqlen_k=tk)
+        layout = CompactLayout(pattern, 8, 2, pattern.local_blocks)
+        n = tk
+        slots = layout.num_ring_slots(n) + layout.num_vertical_slots(n)
+        cache = torch.randn(2, 2, slots * pattern.block_size, d, device=DEVICE, dtype=dtype)
+        seq_lens = torch.tensor([n, n - 5], device=DEVICE)
+        s2_decode_attention(q.detach()[:, :, :1], cache, cache, seq_lens, layout,
+                            num_ring_slots=layout.num_ring_slots(n))
+if DEVICE == "cuda":
+    torch.cuda.synchronize()
+print("sanitize run complete")
