@@ -172,6 +172,35 @@ def block_slots(layout: CompactLayout, blocks: torch.Tensor, num_ring: int) -> t
     return torch.where(r >= 0, vertical_slot, blocks % layout.ring_blocks)
 
 
+def s2_cache_append(k_cache, v_cache, key, value, seq_lens, layout: CompactLayout, *, num_ring_slots: int,
+                    backend: str = "auto") -> None:
+    """Write the ``Tq`` newest tokens of every row into their slots of the compact cache, in place.
+
+    ``key/value [B, Hkv, Tq, D]``: row ``b``'s token ``t`` sits at position ``seq_lens[b] - Tq + t``; negative
+    positions (left padding of a row that is still empty) are skipped. ``k_cache/v_cache [B, Hkv, S * bs, D]`` in
+    ``layout`` with ``num_ring_slots`` ring slots, with room for the new blocks (see ``ring_blocks_for``).
+    On CUDA one Triton launch does it; decoding calls this once per layer and step.
+    """
+    if not use_triton(backend, key):
+        return _cache_append_torch(k_cache, v_cache, key, value, seq_lens, layout, num_ring_slots)
+    from .decode_triton import cache_append_triton
+
+    return cache_append_triton(k_cache, v_cache, key, value, seq_lens, layout, num_ring_slots)
+
+
+def _cache_append_torch(k_cache, v_cache, key, value, seq_lens, layout, num_ring):
+    batch, num_kv, tq, _ = key.shape
+    bs = layout.block_size
+    pos = seq_lens[:, None] - tq + torch.arange(tq, device=key.device)  # [B, Tq]
+    blocks = pos.clamp(min=0).div(bs, rounding_mode="floor")[:, None, :].expand(batch, num_kv, tq)
+    cache_rows = block_slots(layout, blocks, num_ring) * bs + (pos.clamp(min=0) % bs)[:, None, :]  # [B, Hkv, Tq]
+    rows = torch.arange(batch, device=key.device)[:, None, None].expand_as(cache_rows)
+    heads = torch.arange(num_kv, device=key.device)[None, :, None].expand_as(cache_rows)
+    real = (pos >= 0)[:, None, :].expand_as(cache_rows)
+    k_cache[rows[real], heads[real], cache_rows[real]] = key[real]
+    v_cache[rows[real], heads[real], cache_rows[real]] = value[real]
+
+
 def visible_blocks(layout: CompactLayout, q_blocks: torch.Tensor, k_blocks: torch.Tensor) -> torch.Tensor:
     """The pattern's block rule (causal) for query block ``q_blocks`` [..., M, 1] of pattern heads given by the
     leading dim ``[P, ...]`` against key blocks ``k_blocks`` [..., 1, N]: ``bool`` broadcast of the two."""

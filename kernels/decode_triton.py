@@ -236,3 +236,50 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
             hq, tq, num_splits, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_T=block_t, num_warps=4,
         )
     return out
+
+
+@triton.jit
+def s2_cache_append_kernel(
+    key, value, k_cache, v_cache, seq_lens, ranks, counts,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_cb, stride_ch, stride_ct, stride_cd,
+    stride_db, stride_dh, stride_dt, stride_dd,
+    stride_rh,
+    num_kv_heads, seqlen_q, num_ring, RING_BLOCKS, VERT_STRIDE,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Grid ``(cdiv(Tq, BLOCK_T), B * Hkv)``: copy new K/V rows to their slots (``decode.block_slots``' rule)."""
+    batch = tl.program_id(1) // num_kv_heads
+    kv_head = tl.program_id(1) % num_kv_heads
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    pos = tl.load(seq_lens + batch).to(tl.int32) - seqlen_q + t
+    real = (t < seqlen_q) & (pos >= 0)
+    block = tl.maximum(pos, 0) // BLOCK_SIZE
+    rank = tl.load(ranks + kv_head.to(tl.int64) * stride_rh + block % VERT_STRIDE, mask=real, other=-1)
+    num_vertical = tl.load(counts + kv_head)
+    slot = tl.where(rank >= 0, num_ring + (block // VERT_STRIDE) * num_vertical + rank, block % RING_BLOCKS)
+    cache_row = slot * BLOCK_SIZE + tl.maximum(pos, 0) % BLOCK_SIZE
+    d = tl.arange(0, BLOCK_D)
+    mask = row_mask(real, HEAD_DIM, BLOCK_D)
+    src_k = key + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    src_v = value + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    dst_k = k_cache + batch.to(tl.int64) * stride_cb + kv_head.to(tl.int64) * stride_ch
+    dst_v = v_cache + batch.to(tl.int64) * stride_db + kv_head.to(tl.int64) * stride_dh
+    k_rows = tl.load(src_k + t.to(tl.int64)[:, None] * stride_kt + d[None, :] * stride_kd, mask=mask)
+    v_rows = tl.load(src_v + t.to(tl.int64)[:, None] * stride_vt + d[None, :] * stride_vd, mask=mask)
+    tl.store(dst_k + cache_row.to(tl.int64)[:, None] * stride_ct + d[None, :] * stride_cd, k_rows, mask=mask)
+    tl.store(dst_v + cache_row.to(tl.int64)[:, None] * stride_dt + d[None, :] * stride_dd, v_rows, mask=mask)
+
+
+def cache_append_triton(k_cache, v_cache, key, value, seq_lens, layout: CompactLayout, num_ring: int) -> None:
+    """Backend of ``decode.s2_cache_append``: one launch for every row, KV head and new token."""
+    b, hkv, tq, d = key.shape
+    _, ranks, counts = layout.tables(key.device)
+    block_t = max(1, min(64, triton.next_power_of_2(tq)))
+    s2_cache_append_kernel[(triton.cdiv(tq, block_t), b * hkv)](
+        key, value, k_cache, v_cache, seq_lens, ranks, counts,
+        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(), ranks.stride(0),
+        hkv, tq, num_ring, layout.ring_blocks, layout.pattern.vert_stride,
+        HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=layout.block_size, BLOCK_T=block_t,
+    )

@@ -26,7 +26,14 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from .kernels.decode import CompactLayout, block_slots, ring_blocks_for, s2_decode_attention, slot_blocks
+from .kernels.decode import (
+    CompactLayout,
+    block_slots,
+    ring_blocks_for,
+    s2_cache_append,
+    s2_decode_attention,
+    slot_blocks,
+)
 from .kernels.interface import s2_attention
 from .kernels.pattern import S2Pattern
 
@@ -170,7 +177,8 @@ class S2CacheLayer(DynamicLayer):
             )
         seq_lens = self._new_seq_lens(attention_mask, tq)
         self._relayout(ring_blocks_for(pattern, tq), num_seen, self.seq_lens)  # room for the chunk's new blocks
-        self._write(key, value, seq_lens)
+        s2_cache_append(self.keys, self.values, key, value, seq_lens, self.layout, num_ring_slots=self.num_ring,
+                        backend=backend)
         self.num_seen, self.seq_lens = num_seen, seq_lens
         out = s2_decode_attention(query, self.keys, self.values, seq_lens, self.layout, num_ring_slots=self.num_ring,
                                   scale=scaling, backend=backend)
@@ -241,7 +249,8 @@ class S2CacheLayer(DynamicLayer):
     def _relayout(self, ring_blocks, num_seen, seq_lens):
         """Move the storage to a ring of ``ring_blocks`` and the capacity ``num_seen`` needs (no-op if unchanged)."""
         old, old_ring = self.layout, self.num_ring
-        new = CompactLayout(old.pattern, old.num_q_heads, old.num_kv_heads, ring_blocks)
+        same_ring = ring_blocks == old.ring_blocks  # every decode step: keep the instance and its cached tables
+        new = old if same_ring else CompactLayout(old.pattern, old.num_q_heads, old.num_kv_heads, ring_blocks)
         num_ring = new.num_ring_slots(num_seen)
         num_slots = num_ring + new.num_vertical_slots(num_seen)
         old_slots = self.keys.shape[2] // old.block_size
@@ -261,23 +270,6 @@ class S2CacheLayer(DynamicLayer):
 
         self.keys, self.values = move(self.keys), move(self.values)
         self.layout, self.num_ring = new, num_ring
-
-    def _write(self, key, value, seq_lens):
-        """Write the ``Tq`` new tokens (row b's at positions ``seq_lens[b] - Tq ...``) into their slots."""
-        batch, num_kv, tq, _ = key.shape
-        bs = self.layout.block_size
-        pos = seq_lens[:, None] - tq + torch.arange(tq, device=key.device)  # [B, Tq]
-        blocks = pos.clamp(min=0).div(bs, rounding_mode="floor")[:, None, :].expand(batch, num_kv, tq)
-        cache_rows = block_slots(self.layout, blocks, self.num_ring) * bs + (pos.clamp(min=0) % bs)[:, None, :]
-        rows, heads = _row_head_index(batch, num_kv, key.device, 3)
-        rows, heads = rows.expand_as(cache_rows), heads.expand_as(cache_rows)
-        if tq > 1:  # leading padding tokens of rows still empty: skip them (a host sync, once per chunk)
-            real = (pos >= 0)[:, None, :].expand_as(cache_rows)
-            rows, heads, cache_rows, key, value = rows[real], heads[real], cache_rows[real], key[real], value[real]
-        # With Tq == 1 a padding token only occurs in an empty row: whatever it writes is overwritten before read.
-        self.keys[rows, heads, cache_rows] = key
-        self.values[rows, heads, cache_rows] = value
-
 
 def _row_head_index(batch: int, num_kv: int, device, ndim: int):
     """Broadcastable batch-row and KV-head index tensors of ``ndim`` dims for advanced indexing."""

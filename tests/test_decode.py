@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from s2_models.kernels.decode import CompactLayout, ring_blocks_for, s2_decode_attention, slot_blocks
+from s2_models.kernels.decode import CompactLayout, ring_blocks_for, s2_cache_append, s2_decode_attention, slot_blocks
 from s2_models.kernels.naive import naive_s2_attention
 from s2_models.kernels.pattern import S2Pattern
 
@@ -101,3 +101,25 @@ def test_bad_input():
         s2_decode_attention(q, kc, vc, seq_lens, layout, num_ring_slots=num_ring, backend="cuda")
     with pytest.raises(ValueError, match="ring_blocks"):
         CompactLayout(pattern, 4, 2, ring_blocks=1)
+
+
+@pytest.mark.parametrize("tq", [1, 5, 70])
+@pytest.mark.parametrize("pattern", [PATTERNS[0], S2Pattern(block_size=16, local_blocks=1, vert_stride=3,
+                                                             per_query_head=True)], ids=repr)
+def test_triton_append_writes_what_the_torch_path_writes(pattern, tq):
+    """New tokens land in the slots ``block_slots`` names; padding positions (row still empty) are skipped."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    layout = CompactLayout(pattern, 4, 2, ring_blocks_for(pattern, tq))
+    seq_lens = torch.tensor([200, tq - 3, 131], device=device)  # row 1: three leading padding tokens
+    num_ring = layout.num_ring_slots(200)
+    slots = num_ring + layout.num_vertical_slots(200)
+    caches = [torch.randn(3, 2, slots * pattern.block_size, 48, device=device) for _ in range(2)]
+    key, value = (torch.randn(3, 2, tq, 48, device=device) for _ in range(2))
+    written = {}
+    for backend in ("torch", "triton"):
+        k_cache, v_cache = (c.clone() for c in caches)
+        s2_cache_append(k_cache, v_cache, key, value, seq_lens, layout, num_ring_slots=num_ring, backend=backend)
+        written[backend] = (k_cache, v_cache)
+    assert torch.equal(written["torch"][0], written["triton"][0])
+    assert torch.equal(written["torch"][1], written["triton"][1])
+    assert not torch.equal(written["torch"][0], caches[0])
