@@ -42,13 +42,16 @@ def test_incremental_attention_equals_full_attention_left_padded(pattern):
     torch.testing.assert_close(out, ref.masked_fill(~mask[:, None, :, None], 0), atol=1e-10, rtol=0)
 
 
-def test_triton_interpreter_incremental_fp32():
+def test_triton_incremental_fp32():
+    """Prefill, append and decode through Triton: compiled on a GPU, interpreted (TRITON_INTERPRET=1) without one."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     b, hq, hkv, d, t = 2, 4, 2, 32, 120
     q = torch.randn(b, hq, t, d)
     k, v = (torch.randn(b, hkv, t, d) for _ in range(2))
-    out = run_chunks(S2CacheLayer(), q, k, v, PATTERN, [50, 1, 9, 1, 1], backend="triton")
+    out = run_chunks(S2CacheLayer(), q.to(device), k.to(device), v.to(device), PATTERN, [50, 1, 9, 1, 1],
+                     backend="triton")
     ref, _ = naive_s2_attention(q, k, v, PATTERN)
-    torch.testing.assert_close(out.double(), ref[:, :, :62], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.double().cpu(), ref[:, :, :62], atol=1e-5, rtol=0)
 
 
 def test_memory_is_the_kept_fraction():

@@ -9,6 +9,7 @@ from s2_models.kernels.decode import CompactLayout, ring_blocks_for, s2_cache_ap
 from s2_models.kernels.naive import naive_s2_attention
 from s2_models.kernels.pattern import S2Pattern
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PATTERNS = (
     S2Pattern(block_size=16, local_blocks=2, vert_stride=3),
     S2Pattern(block_size=16, local_blocks=1, vert_stride=4, homo_head=True),
@@ -64,10 +65,11 @@ def test_triton_matches_torch_path(pattern, dtype, tq, num_splits):
     lens = [random.randint(tq, 300), random.randint(1, 300)]
     q, kc, vc, seq_lens, layout, num_ring, ref = case(pattern, dtype, tq, lens)
     expected = s2_decode_attention(q, kc, vc, seq_lens, layout, num_ring_slots=num_ring, backend="torch")
-    out = s2_decode_attention(q, kc, vc, seq_lens, layout, num_ring_slots=num_ring, backend="triton",
-                              num_splits=num_splits)
+    # compiled on a GPU, interpreted (TRITON_INTERPRET=1, set by conftest) without one
+    on_device = (t.to(DEVICE) for t in (q, kc, vc, seq_lens))
+    out = s2_decode_attention(*on_device, layout, num_ring_slots=num_ring, backend="triton", num_splits=num_splits)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
-    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(out.float().cpu(), expected.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.gpu
@@ -108,7 +110,7 @@ def test_bad_input():
                                                              per_query_head=True)], ids=repr)
 def test_triton_append_writes_what_the_torch_path_writes(pattern, tq):
     """New tokens land in the slots ``block_slots`` names; padding positions (row still empty) are skipped."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = DEVICE
     layout = CompactLayout(pattern, 4, 2, ring_blocks_for(pattern, tq))
     seq_lens = torch.tensor([200, tq - 3, 131], device=device)  # row 1: three leading padding tokens
     num_ring = layout.num_ring_slots(200)
