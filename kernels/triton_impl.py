@@ -66,6 +66,14 @@ def _gather_positions(list_base, entry, num_entries, BLOCK: tl.constexpr, UNIT: 
 
 
 @triton.jit
+def _tile_list(unit_lists, unit_bits, unit_counts, pattern_head, tile, stride_up, stride_ut, stride_cp, stride_ct):
+    """The list of one (pattern head, resident tile): entries, their keep bits, and the (full, total) counts."""
+    offset = pattern_head.to(tl.int64) * stride_up + tile.to(tl.int64) * stride_ut
+    count_base = unit_counts + pattern_head.to(tl.int64) * stride_cp + tile.to(tl.int64) * stride_ct
+    return unit_lists + offset, unit_bits + offset, tl.load(count_base), tl.load(count_base + 1)
+
+
+@triton.jit
 def _entry_bits(bits_base, entry, num_entries, BLOCK: tl.constexpr, UNIT: tl.constexpr):
     """Per position ``[BLOCK]``: the keep bits of its list entry (bit b: block b of the resident tile keeps it)."""
     index = entry + tl.arange(0, BLOCK) // UNIT
@@ -178,13 +186,10 @@ def s2_attention_fwd_kernel(
     q_tile = _load_rows(q_head_base, rows, row_real, stride_qt, stride_qd, HEAD_DIM, BLOCK_D)  # [BLOCK_M, BLOCK_D]
     k_head = k + seq.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_head = v + seq.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
-    list_offset = pattern_head.to(tl.int64) * stride_up + tile.to(tl.int64) * stride_ut
-    list_base = unit_lists + list_offset
-    bits_base = unit_bits + list_offset  # same layout as unit_lists
+    list_base, bits_base, num_full, num_entries = _tile_list(
+        unit_lists, unit_bits, unit_counts, pattern_head, tile, stride_up, stride_ut, stride_cp, stride_ct
+    )
     block_in_tile = q_pos // BLOCK_SIZE - (tile * BLOCK_M) // BLOCK_SIZE  # [BLOCK_M] bit index of each row's block
-    count_base = unit_counts + pattern_head.to(tl.int64) * stride_cp + tile.to(tl.int64) * stride_ct
-    num_full = tl.load(count_base)
-    num_entries = tl.load(count_base + 1)
 
     m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -316,13 +321,10 @@ def s2_attention_bwd_dq_kernel(
     )
     k_head = k + seq.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_head = v + seq.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
-    list_offset = pattern_head.to(tl.int64) * stride_up + tile.to(tl.int64) * stride_ut
-    list_base = unit_lists + list_offset
-    bits_base = unit_bits + list_offset  # same layout as unit_lists
+    list_base, bits_base, num_full, num_entries = _tile_list(
+        unit_lists, unit_bits, unit_counts, pattern_head, tile, stride_up, stride_ut, stride_cp, stride_ct
+    )
     block_in_tile = q_pos // BLOCK_SIZE - (tile * BLOCK_M) // BLOCK_SIZE  # [BLOCK_M] bit index of each row's block
-    count_base = unit_counts + pattern_head.to(tl.int64) * stride_cp + tile.to(tl.int64) * stride_ct
-    num_full = tl.load(count_base)
-    num_entries = tl.load(count_base + 1)
 
     dq_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     GROUP: tl.constexpr = BLOCK_N // UNIT
@@ -420,12 +422,9 @@ def s2_attention_bwd_dkdv_kernel(
         do_head_base = dout + seq.to(tl.int64) * stride_gb + q_head.to(tl.int64) * stride_gh
         lse_head = lse + seq.to(tl.int64) * stride_lb + q_head.to(tl.int64) * stride_lh
         delta_head = delta + seq.to(tl.int64) * stride_db + q_head.to(tl.int64) * stride_dh
-        list_offset = pattern_head.to(tl.int64) * stride_up + tile.to(tl.int64) * stride_ut
-        list_base = unit_lists + list_offset
-        bits_base = unit_bits + list_offset
-        count_base = unit_counts + pattern_head.to(tl.int64) * stride_cp + tile.to(tl.int64) * stride_ct
-        num_full = tl.load(count_base)
-        num_entries = tl.load(count_base + 1)
+        list_base, bits_base, num_full, num_entries = _tile_list(
+            unit_lists, unit_bits, unit_counts, pattern_head, tile, stride_up, stride_ut, stride_cp, stride_ct
+        )
         for entry in range(0, num_full, GROUP):
             dk_acc, dv_acc = _bwd_dkdv_step(
                 dk_acc, dv_acc, k_tile, v_tile, k_pos, block_in_tile, key_real, q_head_base, do_head_base, lse_head,
