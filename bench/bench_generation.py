@@ -126,6 +126,7 @@ def copy_bandwidth() -> float:
 
 
 DECODE_TILES = [DecodeTiles(n, warps, stages) for n in (64, 128) for warps in (4, 8) for stages in (1, 2, 3)]
+DECODE_SPLITS = (None, 1, 2, 4, 8)  # None: the launcher's heuristic
 
 
 def kernel_bandwidth(sparse, batch, length):
@@ -140,23 +141,23 @@ def kernel_bandwidth(sparse, batch, length):
     read = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in layers)  # K and V
     copy_bw = copy_bandwidth()
     configs = []
-    for tiles in DECODE_TILES:
-        def run_all(tiles=tiles):
+    for tiles, splits in ((t, s) for t in DECODE_TILES for s in DECODE_SPLITS):
+        def run_all(tiles=tiles, splits=splits):
             for layer in layers:
                 decode_attention_triton(q, layer.keys, layer.values, layer.seq_lens, layer.layout, layer.num_ring,
-                                        SHAPES["head_dim"] ** -0.5, None, tiles)
+                                        SHAPES["head_dim"] ** -0.5, splits, tiles)
 
         try:
             seconds = graph_seconds(run_all, calls=2)
             check = decode_attention_triton(q, first.keys, first.values, first.seq_lens, first.layout, first.num_ring,
-                                            SHAPES["head_dim"] ** -0.5, None, tiles)
-            configs.append({**asdict(tiles), "us_per_layer": seconds / len(layers) * 1e6,
+                                            SHAPES["head_dim"] ** -0.5, splits, tiles)
+            configs.append({**asdict(tiles), "num_splits": splits, "us_per_layer": seconds / len(layers) * 1e6,
                             "fraction_of_copy_bandwidth": read / seconds / copy_bw,
                             "max_error_vs_torch": (check.float() - reference).abs().max().item()})
         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for one shape; record and go on
-            configs.append({**asdict(tiles), "error": f"{type(e).__name__}: {e}"[:300]})
+            configs.append({**asdict(tiles), "num_splits": splits, "error": f"{type(e).__name__}: {e}"[:300]})
     best = min((c for c in configs if "us_per_layer" in c), key=lambda c: c["us_per_layer"])
-    default = configs[DECODE_TILES.index(DecodeTiles())]
+    default = configs[DECODE_TILES.index(DecodeTiles()) * len(DECODE_SPLITS)]
     return {"batch": batch, "context": length, "sparse_layers": len(layers),
             "bytes_read_per_layer": read // len(layers), "copy_GBps": copy_bw / 1e9, "default": default, "best": best,
             "configs": configs}
