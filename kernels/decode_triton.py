@@ -168,20 +168,22 @@ def _num_sms(device_index: int) -> int:
 
 
 def _choose_num_splits(programs: int, num_tiles: int, device: torch.device) -> int:
-    """Enough splits for about two waves of programs, each split keeping >= 4 key tiles of work."""
+    """Up to about two programs per multiprocessor, each split keeping >= 4 key tiles of work. Rounding down
+    matters: one split too many leaves a short last split and costs more than a slightly smaller grid (measured)."""
     if device.type != "cuda":
         return 1
     target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return max(1, min(-(-target // programs), num_tiles // 4))
+    return max(1, min(target // programs, num_tiles // 4))
 
 
 @dataclass(frozen=True)
 class DecodeTiles:
-    """Launch shape of ``s2_decode_fwd_kernel``: keys per iteration, warps, software-pipelining depth."""
+    """Launch shape of ``s2_decode_fwd_kernel``: keys per iteration, warps, software-pipelining depth. The default
+    was the fastest of ``bench/bench_generation.py``'s sweep (H200, batch 8, 32k context: 75% of copy bandwidth)."""
 
-    block_n: int = 64
+    block_n: int = 128
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
 
 
 def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout, num_ring: int, scale: float,
