@@ -429,6 +429,12 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
         # Packed sequences, read like transformers does: only without a padding mask and without a past. They get no
         # cache: its keys could not be continued as one sequence.
         cu_seqlens = None
+        packed_kwargs = kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
+        if packed_kwargs and (past_key_values is not None or attention_mask is not None):
+            raise ValueError(
+                "packed sequences (cu_seq_lens_q/cu_seq_lens_k) take neither past_key_values nor an attention_mask: "
+                "the sequence boundaries replace both"
+            )
         if attention_mask is None and past_key_values is None:
             cu_seqlens = kwargs.get("cu_seq_lens_k")
             if cu_seqlens is None and position_ids is not None:

@@ -132,6 +132,18 @@ def test_packed_sequences_equal_separate_runs(implementation, inputs):
         assert_close(piece, logits(model, seq)[0])
 
 
+def test_packed_sequences_refuse_a_cache_or_a_padding_mask():
+    """The sequence boundaries replace both: combining them would silently attend across sequences."""
+    from transformers import DynamicCache
+
+    model = tiny_model()
+    _, ids, position_ids, flash_kwargs = packed([20, 30])
+    with pytest.raises(ValueError, match="packed sequences"):
+        model(ids, position_ids=position_ids, past_key_values=DynamicCache(config=model.config), **flash_kwargs)
+    with pytest.raises(ValueError, match="packed sequences"):
+        model(ids, position_ids=position_ids, attention_mask=torch.ones_like(ids), **flash_kwargs)
+
+
 def test_packed_rows_of_a_batch_equal_separate_runs():
     model = tiny_model()
     rows = [packed([20, 30]), packed([33, 17])]
