@@ -205,6 +205,18 @@ def _check_varlen(q, k, causal, cu_q, cu_k, max_q, max_k) -> Varlen:
     )
 
 
+def bucket_num_blocks(num_blocks: int) -> int:
+    """Round a block count up to one of ~8 sizes per doubling (at most 12.5% more; powers of two stay exact).
+
+    Masks and the block lists built from them are cached per size: with lengths that change every call (packed
+    training batches, prompts of any length) exact sizes would fill the caches without bound. Blocks past a
+    sequence's end are masked like the tail of a shorter sequence in a packed batch.
+    """
+    num_blocks = max(1, num_blocks)
+    step = 1 << max(0, num_blocks.bit_length() - 4)
+    return -(-num_blocks // step) * step
+
+
 def _resolve_layout(q, k, pattern, block_mask, block_size, causal, max_seqlen_k) -> BlockLayout:
     hq, hkv = q.shape[1], k.shape[1]
     if (pattern is None) == (block_mask is None):
@@ -215,8 +227,8 @@ def _resolve_layout(q, k, pattern, block_mask, block_size, causal, max_seqlen_k)
         if block_size is not None and block_size != pattern.block_size:
             raise ValueError(f"block_size={block_size} contradicts pattern.block_size={pattern.block_size}")
         num_heads = pattern.num_pattern_heads(hq, hkv)
-        n = max(1, -(-max_seqlen_k // pattern.block_size))
-        mask = pattern.block_mask(num_heads, n, n, causal, device=q.device)
+        n = bucket_num_blocks(-(-max_seqlen_k // pattern.block_size))
+        mask = pattern.shared_block_mask(num_heads, n, n, causal, device=q.device)
         return BlockLayout(mask, pattern.block_size, causal, (pattern, num_heads, n, causal, str(q.device)))
 
     check_block_size(block_size)

@@ -121,10 +121,16 @@ class S2Pattern:
         self, num_heads: int, num_q_blocks: int, num_kv_blocks: int, causal: bool = True, device=None
     ) -> torch.Tensor:
         """The kept blocks as ``torch.bool [num_heads, num_q_blocks, num_kv_blocks]`` (absolute block indices)."""
+        return self.shared_block_mask(num_heads, num_q_blocks, num_kv_blocks, causal, device).clone()
+
+    def shared_block_mask(
+        self, num_heads: int, num_q_blocks: int, num_kv_blocks: int, causal: bool = True, device=None
+    ) -> torch.Tensor:
+        """``block_mask`` without the copy: a cached tensor shared by every caller, which must not modify it."""
         self.check_num_heads(num_heads)
         _check_int("num_q_blocks", num_q_blocks, 0)
         _check_int("num_kv_blocks", num_kv_blocks, 0)
-        return _block_mask(self, num_heads, num_q_blocks, num_kv_blocks, bool(causal), str(device or "cpu")).clone()
+        return _block_mask(self, num_heads, num_q_blocks, num_kv_blocks, bool(causal), str(device or "cpu"))
 
     def kept_fraction(self, num_heads: int, seq_len: int, causal: bool = True) -> float:
         """Fraction of the (causal) token pairs of a ``seq_len`` sequence that the pattern computes."""
@@ -138,7 +144,7 @@ class S2Pattern:
         return (kept / (pairs.sum() * num_heads)).item()
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)  # masks are [P, N, N] on the device: keep few
 def _block_mask(pattern: S2Pattern, num_heads: int, m: int, n: int, causal: bool, device: str) -> torch.Tensor:
     i = torch.arange(m, device=device)[None, :, None]  # [1, M, 1]
     j = torch.arange(n, device=device)[None, None, :]  # [1, 1, N]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -446,7 +447,10 @@ def s2_attention_bwd_dkdv_kernel(
 
 
 # ============================================================================================== block lists
-_UNIT_LIST_CACHE: dict = {}
+# Least-recently-used block lists on the GPU: lengths are bucketed (interface.bucket_num_blocks), and each size needs
+# lists for the forward, dq and dk/dv tiles (more while tuning).
+_UNIT_LIST_CACHE: OrderedDict = OrderedDict()
+_UNIT_LIST_CACHE_SIZE = 64
 
 
 def build_unit_lists(
@@ -528,8 +532,12 @@ def _unit_lists(layout: BlockLayout, tile: int, other_tile: int, resident_is_que
     if layout.cache_key is None:
         return build_unit_lists(layout.block_mask, *args)
     key = (layout.cache_key, *args)
-    if key not in _UNIT_LIST_CACHE:
+    if key in _UNIT_LIST_CACHE:
+        _UNIT_LIST_CACHE.move_to_end(key)
+    else:
         _UNIT_LIST_CACHE[key] = build_unit_lists(layout.block_mask, *args)
+        if len(_UNIT_LIST_CACHE) > _UNIT_LIST_CACHE_SIZE:
+            _UNIT_LIST_CACHE.popitem(last=False)  # least recently used
     return _UNIT_LIST_CACHE[key]
 
 

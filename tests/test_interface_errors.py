@@ -134,3 +134,20 @@ def test_bad_padding_masks():
     holes[0, 5] = 0
     with pytest.raises(ValueError, match="one contiguous run"):
         s2_attention(q, k, v, PATTERN, attention_mask=holes)
+
+
+def test_layouts_are_shared_and_bucketed():
+    """Lengths that change every call (packed batches, prompts) reuse a few cached masks instead of one per length,
+    and no call copies the mask."""
+    from s2_models.kernels.interface import _resolve_layout, bucket_num_blocks
+
+    shapes = set()
+    for tk in range(1, 3000, 7):
+        q, k, _ = qkv(tq=1, tk=tk)
+        layout = _resolve_layout(q, k, PATTERN, None, None, True, tk)
+        need = -(-tk // PATTERN.block_size)
+        assert need <= layout.block_mask.shape[1] <= 1.125 * need + 1
+        assert layout.block_mask is _resolve_layout(q, k, PATTERN, None, None, True, tk).block_mask
+        shapes.add(layout.block_mask.shape)
+    assert len(shapes) <= 16 + 8 * 4  # exact up to 16 blocks, then 8 sizes per doubling up to 188 blocks (of 429)
+    assert [bucket_num_blocks(n) for n in (1, 8, 16, 17, 2048)] == [1, 8, 16, 18, 2048]
