@@ -3,7 +3,7 @@
 import torch
 
 from s2_models.kernels import S2Pattern, s2_attention
-from s2_models.kernels.decode import CompactLayout, s2_decode_attention
+from s2_models.kernels.decode import CompactLayout, s2_cache_append, s2_decode_attention
 
 torch.manual_seed(0)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: TRITON_INTERPRET=1, to check the script itself
@@ -28,6 +28,8 @@ for dtype in (torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.flo
         seq_lens = torch.tensor([n, n - 5], device=DEVICE)
         s2_decode_attention(q.detach()[:, :, :1], cache, cache, seq_lens, layout,
                             num_ring_slots=layout.num_ring_slots(n))
+        new = k.detach()[:, :, :3]
+        s2_cache_append(cache, cache.clone(), new, new, seq_lens, layout, num_ring_slots=layout.num_ring_slots(n))
 if DEVICE == "cuda":
     torch.cuda.synchronize()
 print("sanitize run complete")
