@@ -3,13 +3,17 @@
     python bench/bench_generation.py --out bench/results/generation_h100.json
 
 A ~1B-parameter hybrid (Llama-3.2-1B shapes, random weights, bf16): 16 layers, layers 0-1 dense, the others S2
-(block 64, local 16 blocks = 1024 tokens, every 16th block). The dense baseline is the same model with every layer
-dense under SDPA. Each section records its error instead of aborting the run.
+(block 64, local 16 blocks = 1024 tokens, every 16th block). The dense baselines are the same model with every layer
+dense under SDPA (dynamic cache; PyTorch's default backend choice, and without cuDNN), and transformers' own Llama
+with its static cache, which ``generate`` compiles with ``torch.compile(mode="reduce-overhead")``: CUDA graphs,
+like the S2 static cache. Speed is measured through ``generate`` (time to first token, median step time). Each
+section records its error instead of aborting the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import time
@@ -18,11 +22,13 @@ from dataclasses import asdict
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 from s2_models import S2LlamaConfig, S2LlamaForCausalLM, hybrid_sparsity
 from s2_models.cache_s2_llama import S2CacheLayer, kv_cache_bytes
 from s2_models.kernels.decode import s2_decode_attention
 from s2_models.kernels.decode_triton import DecodeTiles, decode_attention_triton
+from s2_models.static_cache_s2_llama import S2StaticCache
 
 PATTERN = {"block_size": 64, "local_blocks": 16, "vert_stride": 16}
 SHAPES = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -47,18 +53,10 @@ def timed(fn, repeats=1):
 
 
 @torch.no_grad()
-def prefill(model, batch, length):
+def prefill(model, batch, length, cache=None):
     ids = torch.randint(0, SHAPES["vocab_size"], (batch, length), device="cuda")
-    seconds, out = timed(lambda: model(ids, use_cache=True, logits_to_keep=1))
+    seconds, out = timed(lambda: model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1))
     return seconds, out
-
-
-@torch.no_grad()
-def decode_step_seconds(model, cache, batch, steps=32):
-    token = torch.randint(0, SHAPES["vocab_size"], (batch, 1), device="cuda")
-    model(token, past_key_values=cache, use_cache=True)  # warm-up
-    seconds, _ = timed(lambda: model(token, past_key_values=cache, use_cache=True, logits_to_keep=1), steps)
-    return seconds
 
 
 def section(results, name, fn):
@@ -80,9 +78,13 @@ def memory(sparse, length):
     pattern = S2Pattern(**PATTERN)
     blocks = -(-length // pattern.block_size)
     kept_blocks = min(blocks, pattern.local_blocks) + max(0, blocks - pattern.local_blocks) // pattern.vert_stride
+    del out
+    _, out = prefill(sparse, 1, length, cache=S2StaticCache(sparse.config, max_cache_len=length))
+    static_sparse_bytes = kv_cache_bytes(out.past_key_values)["s2"]
     return {
         "context": length,
         "dense_dynamic_cache_bytes": per_layer_dense * SHAPES["num_hidden_layers"],
+        "static_cache_sparse_layers_fraction_of_dense": static_sparse_bytes / (per_layer_dense * num_sparse),
         "s2_model_cache_bytes": sizes["dense"] + sizes["s2"],
         "sparse_layers_bytes": sizes["s2"],
         "sparse_layers_fraction_of_dense": sizes["s2"] / (per_layer_dense * num_sparse),
@@ -91,14 +93,75 @@ def memory(sparse, length):
     }
 
 
-def speed(model, batch, length):
-    prefill(model, batch, length)  # warm-up: kernel compilation and tile tuning stay out of the timing
-    prefill_s, out = prefill(model, batch, length)
-    cache = out.past_key_values
-    del out
-    step = decode_step_seconds(model, cache, batch)
-    return {"batch": batch, "prompt": length, "prefill_s": prefill_s, "decode_step_ms": step * 1e3,
-            "decode_tokens_per_s": batch / step}
+class StepTimes(StoppingCriteria):
+    """Stopping criterion that never stops and records when ``generate`` finished each step (after a sync)."""
+
+    def __init__(self):
+        self.times = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+@torch.no_grad()
+def generate_speed(model, batch, length, steps=48, **generate_kwargs):
+    """End to end through ``generate`` (greedy, no EOS): time to the first token (the prefill) and the median time
+    of the later steps. The warm-up call compiles what needs compiling (Triton tiles, torch.compile graphs)."""
+    ids = torch.randint(0, SHAPES["vocab_size"], (batch, length), device="cuda")
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0, **generate_kwargs)
+    model.generate(ids, max_new_tokens=4, **kwargs)
+    stamps = StepTimes()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(ids, max_new_tokens=steps, stopping_criteria=StoppingCriteriaList([stamps]), **kwargs)
+    intervals = sorted(b - a for a, b in zip(stamps.times[3:], stamps.times[4:]))  # from the 4th step: warm
+    step = intervals[len(intervals) // 2]
+    return {"batch": batch, "prompt": length, "time_to_first_token_s": stamps.times[0] - start,
+            "decode_step_ms": step * 1e3, "decode_tokens_per_s": batch / step, "steps_timed": len(intervals)}
+
+
+def dense_llama() -> LlamaForCausalLM:
+    """The dense baseline in transformers' own Llama form (same shapes), for its static-cache compiled path."""
+    return LlamaForCausalLM(LlamaConfig(**SHAPES, attn_implementation="sdpa")).to("cuda", torch.bfloat16).eval()
+
+
+# name -> (model builder, generate kwargs, SDPA backends or None for PyTorch's default choice)
+NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+SPEED_VARIANTS = {
+    "s2_dynamic_cache": (functools.partial(build, dense=False), {}, None),
+    "s2_static_cache_cuda_graphs": (functools.partial(build, dense=False), {"cache_implementation": "static"}, None),
+    "dense_sdpa_dynamic_cache": (functools.partial(build, dense=True), {}, None),
+    "dense_sdpa_no_cudnn_dynamic_cache": (functools.partial(build, dense=True), {}, NO_CUDNN),
+    "dense_llama_static_cache_compiled": (dense_llama, {"cache_implementation": "static"}, None),
+}
+
+
+def speed_sections(results, variants, batches=(1, 8), length=32768):
+    """Every variant at every batch size, then the speedups of the S2 variants over the fastest dense one."""
+    for name in variants:
+        builder, generate_kwargs, backends = SPEED_VARIANTS[name]
+        model = builder()
+        for batch in batches:
+            with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+                section(results, f"{name}_b{batch}_32k",
+                        functools.partial(generate_speed, model, batch, length, **generate_kwargs))
+        del model
+        torch._dynamo.reset()  # drop compiled graphs and their CUDA-graph memory
+        torch.cuda.empty_cache()
+    for batch in batches:
+        runs = {name: results.get(f"{name}_b{batch}_32k", {}) for name in variants}
+        dense = {n: r for n, r in runs.items() if n.startswith("dense") and "decode_step_ms" in r}
+        if not dense:
+            continue
+        fastest = min(dense, key=lambda n: dense[n]["decode_step_ms"])
+        for name, run in runs.items():
+            if name.startswith("s2") and "decode_step_ms" in run:
+                results[f"{name}_decode_speedup_b{batch}"] = {
+                    "vs": fastest, "speedup": dense[fastest]["decode_step_ms"] / run["decode_step_ms"],
+                    "time_to_first_token_speedup": min(r["time_to_first_token_s"] for r in dense.values())
+                    / run["time_to_first_token_s"]}
 
 
 def graph_seconds(run, calls: int, replays: int = 20) -> float:
@@ -173,6 +236,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--sections", default="memory32k,memory128k,speed,bandwidth")
+    parser.add_argument("--variants", default=",".join(SPEED_VARIANTS), help="speed: which of SPEED_VARIANTS")
     args = parser.parse_args()
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": SHAPES,
                "pattern": PATTERN}
@@ -180,31 +244,15 @@ def main():
     sparse = build(dense=False)
     results["parameters"] = sum(p.numel() for p in sparse.parameters())
     if "memory32k" in wanted:
-        section(results, "memory_32k", lambda: memory(sparse, 32768))
+        section(results, "memory_32k", functools.partial(memory, sparse, 32768))
     if "memory128k" in wanted:
-        section(results, "memory_128k", lambda: memory(sparse, 131072))
+        section(results, "memory_128k", functools.partial(memory, sparse, 131072))
     if "bandwidth" in wanted:
-        section(results, "decode_kernel_bandwidth_b8_32k", lambda: kernel_bandwidth(sparse, 8, 32768))
+        section(results, "decode_kernel_bandwidth_b8_32k", functools.partial(kernel_bandwidth, sparse, 8, 32768))
+    del sparse
+    torch.cuda.empty_cache()
     if "speed" in wanted:
-        for batch in (1, 8):
-            section(results, f"s2_speed_b{batch}_32k", lambda b=batch: speed(sparse, b, 32768))
-        del sparse
-        torch.cuda.empty_cache()
-        dense = build(dense=True)
-        for batch in (1, 8):
-            section(results, f"dense_sdpa_speed_b{batch}_32k", lambda b=batch: speed(dense, b, 32768))
-            # SDPA may pick cuDNN, which rebuilds its plan for every new key length while decoding: also measure
-            # the dense model without it, and compare with the faster of the two.
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-                section(results, f"dense_sdpa_no_cudnn_speed_b{batch}_32k", lambda b=batch: speed(dense, b, 32768))
-        for batch in (1, 8):
-            s2 = results.get(f"s2_speed_b{batch}_32k", {})
-            dense_runs = [results.get(f"dense_sdpa{v}_speed_b{batch}_32k", {}) for v in ("", "_no_cudnn")]
-            dense_runs = [r for r in dense_runs if "decode_step_ms" in r]
-            if "decode_step_ms" in s2 and dense_runs:
-                best_step = min(r["decode_step_ms"] for r in dense_runs)
-                results[f"decode_speedup_b{batch}"] = best_step / s2["decode_step_ms"]
-                results[f"prefill_speedup_b{batch}"] = min(r["prefill_s"] for r in dense_runs) / s2["prefill_s"]
+        speed_sections(results, args.variants.split(","))
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
 

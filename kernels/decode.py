@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -112,10 +113,18 @@ class CompactLayout:
         """Ring slots allocated once a row holds ``num_tokens`` tokens (the ring fills during its first lap)."""
         return min(self.ring_blocks, -(-num_tokens // self.block_size))
 
-    def tables(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(residues int32 [Hkv, vs], rank int32 [Hkv, vs], counts int32 [Hkv])`` on ``device``:
-        ``residues[g, :counts[g]]`` sorted, ``rank[g, r]`` = index of residue ``r`` in it or -1."""
+    def tables(self, device) -> SlotTables:
+        """The ``SlotTables`` of this layout on ``device`` (built once per layout and device)."""
         return _tables(self, str(device))
+
+
+class SlotTables(NamedTuple):
+    """Per-KV-head tables of a layout's vertical residues (int32, on one device), read by the slot rules."""
+
+    residues: torch.Tensor  # [Hkv, vs]: the sorted residues j % vert_stride of the vertical blocks, then zeros
+    rank: torch.Tensor  # [Hkv, vs]: index of residue r among them, -1 if r is not vertical
+    counts: torch.Tensor  # [Hkv]: how many residues
+    vertical_upto: torch.Tensor  # [Hkv, vs]: how many residues are <= r
 
 
 def ring_blocks_for(pattern: S2Pattern, num_new_tokens: int) -> int:
@@ -124,7 +133,7 @@ def ring_blocks_for(pattern: S2Pattern, num_new_tokens: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _tables(layout: CompactLayout, device: str):
+def _tables(layout: CompactLayout, device: str) -> SlotTables:
     vs = layout.pattern.vert_stride
     residues = torch.zeros(layout.num_kv_heads, vs, dtype=torch.int32)
     rank = torch.full((layout.num_kv_heads, vs), -1, dtype=torch.int32)
@@ -134,7 +143,8 @@ def _tables(layout: CompactLayout, device: str):
         for i, r in enumerate(kept):
             residues[kv, i] = r
             rank[kv, r] = i
-    return residues.to(device), rank.to(device), counts.to(device)
+    vertical_upto = (rank >= 0).int().cumsum(-1, dtype=torch.int32)
+    return SlotTables(*(t.to(device) for t in (residues, rank, counts, vertical_upto)))
 
 
 # ---------------------------------------------------------------------------------------------- slot <-> block
@@ -143,7 +153,7 @@ def slot_blocks(layout: CompactLayout, seq_lens: torch.Tensor, num_ring: int, nu
 
     ``seq_lens`` int ``[B]``: tokens per row; ``num_ring`` ring slots are allocated, then the vertical slots.
     """
-    residues, rank, counts = (t.long() for t in layout.tables(seq_lens.device))
+    residues, rank, counts, _ = (t.long() for t in layout.tables(seq_lens.device))
     vs = layout.pattern.vert_stride
     last = ((seq_lens.long() - 1).div(layout.block_size, rounding_mode="floor"))[:, None, None]  # [B, 1, 1]
     slot = torch.arange(num_slots, device=seq_lens.device)[None, None, :]  # [1, 1, S]
@@ -164,7 +174,7 @@ def slot_blocks(layout: CompactLayout, seq_lens: torch.Tensor, num_ring: int, nu
 def block_slots(layout: CompactLayout, blocks: torch.Tensor, num_ring: int) -> torch.Tensor:
     """The slot of each block ``blocks`` int64 ``[B, Hkv, N]`` (>= 0) in a layout with ``num_ring`` ring slots:
     vertical blocks have a fixed slot, the others ``j % ring_blocks``. The caller ensures the block is current."""
-    _, rank, counts = (t.long() for t in layout.tables(blocks.device))
+    _, rank, counts, _ = (t.long() for t in layout.tables(blocks.device))
     vs = layout.pattern.vert_stride
     kv = torch.arange(layout.num_kv_heads, device=blocks.device)[None, :, None]
     r = rank[kv, blocks % vs]

@@ -5,9 +5,10 @@ Entry point ``decode_attention_triton(q, k_cache, v_cache, seq_lens, layout, num
 * One program = one (batch row, KV head, tile of query rows, KV split). Its query rows are the KV head's whole
   query group times the ``Tq`` new tokens (row ``r`` = token ``r // G``, head ``r % G``), so each kept KV block
   is read once per query group (GQA without copies).
-* Split-KV: the slots are cut into ``num_splits`` contiguous ranges; each program writes its normalized partial
-  output and log-sum-exp, and ``s2_decode_combine_kernel`` merges them. With one split the main kernel writes the
-  output directly.
+* Split-KV: the slots a row fills (found in-kernel from its length, so slots allocated ahead, as in a static
+  cache, cost nothing) are cut into ``num_splits`` contiguous ranges of whole key tiles; each program writes its
+  normalized partial output and log-sum-exp, and ``s2_decode_combine_kernel`` merges them. With one split the
+  main kernel writes the output directly. The grid depends only on shapes, so a CUDA graph can replay it.
 * The slot -> block map is inlined (``_slot_blocks``, the same rule as ``decode.slot_blocks``): no block table.
 
 Numerics: online softmax in base 2, fp32 accumulation, IEEE fp32 dots for fp32 inputs.
@@ -50,8 +51,9 @@ def s2_decode_fwd_kernel(
     stride_vb, stride_vh, stride_vt, stride_vd,
     stride_os, stride_ob, stride_oh, stride_ot, stride_od,  # out [splits, B, Hq, Tq, D] (stride_os = 0: 1 split)
     stride_ls, stride_lb, stride_lh, stride_lt,  # lse [splits, B, Hq, Tq] float32 (log2 units)
-    stride_rh,  # residues/ranks [Hkv, vert_stride]
-    num_kv_heads, seqlen_q, num_ring, num_slots, slots_per_split, qk_scale,
+    stride_rh,  # residues/ranks/vertical_upto [Hkv, vert_stride]
+    vertical_upto,  # int32 [Hkv, vert_stride]: how many of the KV head's residues are <= r
+    num_kv_heads, seqlen_q, num_ring, num_slots, num_splits, qk_scale,
     q_heads_per_kv, q_heads_per_pattern, num_pattern_heads, num_dense_heads, head_step, head_offset,
     LOCAL_BLOCKS, RING_BLOCKS, VERT_STRIDE,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -88,8 +90,15 @@ def s2_decode_fwd_kernel(
     m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    first = split * slots_per_split * BLOCK_SIZE
-    end = tl.minimum(num_slots, (split + 1) * slots_per_split) * BLOCK_SIZE
+    # The slots this row fills: the ring, then its vertical blocks up to ``last`` (a static cache allocates more;
+    # the rest stays unread). Splits share them in whole key tiles.
+    num_full_strides = last // VERT_STRIDE
+    vertical_slots = num_full_strides * num_vertical + tl.load(
+        vertical_upto + kv_head.to(tl.int64) * stride_rh + last % VERT_STRIDE)
+    used = tl.minimum(num_slots, num_ring + vertical_slots) * BLOCK_SIZE
+    tiles_per_split = tl.cdiv(tl.cdiv(used, BLOCK_N), num_splits)
+    first = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(used, first + tiles_per_split * BLOCK_N)
     for start in range(first, end, BLOCK_N):
         key_rows = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of the cache
         block = _slot_blocks(key_rows // BLOCK_SIZE, last, kv_residues, kv_rank, num_vertical, num_ring,
@@ -195,20 +204,17 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
     hkv, bs = layout.num_kv_heads, layout.block_size
     num_slots = k_cache.shape[2] // bs
     pattern = layout.pattern
-    residues, ranks, counts = layout.tables(q.device)
+    tables = layout.tables(q.device)
     tiles = tiles or DecodeTiles()
     block_d = max(16, triton.next_power_of_2(d))
     block_n = max(bs, tiles.block_n)
     rows = tq * layout.q_heads_per_kv
     block_m = max(16, min(64, triton.next_power_of_2(rows)))
     num_row_tiles = triton.cdiv(rows, block_m)
-    slots_per_tile = block_n // bs
-    num_tiles = triton.cdiv(num_slots, slots_per_tile)
+    num_tiles = triton.cdiv(num_slots, block_n // bs)  # of the allocated slots; the kernel reads the used ones
     if num_splits is None:
         num_splits = _choose_num_splits(b * hkv * num_row_tiles, num_tiles, q.device)
     num_splits = max(1, min(num_splits, num_tiles))
-    slots_per_split = triton.cdiv(num_tiles, num_splits) * slots_per_tile  # whole key tiles per split
-    num_splits = max(1, triton.cdiv(num_slots, slots_per_split))
 
     out = torch.empty_like(q)
     if num_splits == 1:
@@ -220,10 +226,10 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
     num_heads = layout.num_pattern_heads
     grid = (num_splits, num_row_tiles, b * hkv)
     s2_decode_fwd_kernel[grid](
-        q, k_cache, v_cache, seq_lens, residues, ranks, counts, target, lse,
+        q, k_cache, v_cache, seq_lens, tables.residues, tables.rank, tables.counts, target, lse,
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
-        s_os, *target.stride()[1:], *lse.stride(), residues.stride(0),
-        hkv, tq, num_ring, num_slots, slots_per_split, scale * LOG2E,
+        s_os, *target.stride()[1:], *lse.stride(), tables.residues.stride(0), tables.vertical_upto,
+        hkv, tq, num_ring, num_slots, num_splits, scale * LOG2E,
         layout.q_heads_per_kv, layout.q_heads_per_pattern, num_heads, pattern.num_dense_heads,
         pattern.head_step(num_heads), pattern.head_sliding_offset,
         pattern.local_blocks, layout.ring_blocks, pattern.vert_stride,
@@ -277,11 +283,11 @@ def s2_cache_append_kernel(
 def cache_append_triton(k_cache, v_cache, key, value, seq_lens, layout: CompactLayout, num_ring: int) -> None:
     """Backend of ``decode.s2_cache_append``: one launch for every row, KV head and new token."""
     b, hkv, tq, d = key.shape
-    _, ranks, counts = layout.tables(key.device)
+    tables = layout.tables(key.device)
     block_t = max(1, min(64, triton.next_power_of_2(tq)))
     s2_cache_append_kernel[(triton.cdiv(tq, block_t), b * hkv)](
-        key, value, k_cache, v_cache, seq_lens, ranks, counts,
-        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(), ranks.stride(0),
+        key, value, k_cache, v_cache, seq_lens, tables.rank, tables.counts,
+        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(), tables.rank.stride(0),
         hkv, tq, num_ring, layout.ring_blocks, layout.pattern.vert_stride,
         HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=layout.block_size, BLOCK_T=block_t,
     )

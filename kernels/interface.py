@@ -13,11 +13,14 @@ Only torch is imported here: Triton is imported on first use, so this file also 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .pattern import S2Pattern, check_block_size
 
@@ -130,6 +133,49 @@ def s2_attention(
     else:
         out, lse = run(q, k, v, layout, scale, varlen)
     return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------- dense layers
+# Decoding changes the key length every call, and cuDNN builds a new execution plan for every new shape (~20 ms on
+# an H100, more than the whole step); FlashAttention and the memory-efficient kernel have no such cost.
+_DECODE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def dense_attention(query, key, value, scale, dropout=0.0, key_padding_mask=None, cu_seqlens_q=None,
+                    cu_seqlens_k=None):
+    """Causal dense attention through SDPA, queries bottom-right aligned; same inputs as ``s2_attention``.
+
+    ``query [B, Hq, Tq, D]``, ``key/value [B, Hkv, Tk, D]`` -> ``[B, Hq, Tq, D]``. Rows of padded queries are 0.
+    Packed sequences (``cu_seqlens_*``, ``B == 1``) run one by one, so no block-diagonal mask is built.
+    """
+    if cu_seqlens_q is not None:
+        cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        pieces = [
+            dense_attention(query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1], scale, dropout)
+            for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])
+        ]
+        return torch.cat(pieces, dim=2)
+    tq, tk = query.shape[2], key.shape[2]
+    if key_padding_mask is None and (tq == tk or tq == 1):
+        # Unmasked: FlashAttention-class kernels on CUDA (a single query sees every key).
+        decoding = tq != tk and query.is_cuda
+        with sdpa_kernel(_DECODE_SDPA_BACKENDS) if decoding else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(
+                query, key, value, dropout_p=dropout, scale=scale, is_causal=tq > 1,
+                enable_gqa=query.shape[1] != key.shape[1]
+            )
+    q_pos = torch.arange(tk - tq, tk, device=query.device)
+    mask = (torch.arange(tk, device=query.device) <= q_pos[:, None])[None, None]  # [1, 1, Tq, Tk]
+    real_q = None
+    if key_padding_mask is not None:
+        real_k = key_padding_mask.to(device=query.device, dtype=torch.bool)
+        real_q = real_k[:, tk - tq :, None, None].transpose(1, 2)  # [B, 1, Tq, 1]
+        # A padded query sees no key; let it see all (its row is zeroed below) so no softmax row is empty.
+        mask = (mask & real_k[:, None, None, :]) | ~real_q
+    groups = query.shape[1] // key.shape[1]  # masked SDPA with enable_gqa falls back to the math kernel on CUDA
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale)
+    return out if real_q is None else out.masked_fill(~real_q, 0.0)
 
 
 # ---------------------------------------------------------------------------------------------- validation

@@ -53,6 +53,8 @@ class S2CacheLayer(DynamicLayer):
         super().__init__()
         self._reset_state()
 
+    is_sparse = True  # the layer of a sparse model layer (kv_cache_bytes counts it as "s2")
+
     @property
     def is_compact(self) -> bool:
         return self.layout is not None
@@ -141,6 +143,25 @@ class S2CacheLayer(DynamicLayer):
         """Store the new tokens' K/V and attend: ``query [B, Hq, Tq, D]``, ``key/value [B, Hkv, Tq, D]`` (the new
         tokens, RoPE applied) -> ``[B, Hq, Tq, D]``. ``attention_mask``: ``[B, past + Tq]`` key padding mask or
         ``None``. Positions beyond ``max_position_embeddings`` (when given) are a ``ValueError``."""
+        num_seen = self._check_step(query, key, value, pattern, attention_mask, max_position_embeddings)
+        if self.num_seen == 0:
+            out = self._attend_prompt(query, key, value, pattern, scaling, attention_mask, backend)
+            self._store_prompt(key, value, pattern, attention_mask, num_q_heads=query.shape[1])
+            return out
+        if query.shape[0] != self.keys.shape[0]:
+            raise ValueError(
+                f"the cache holds {self.keys.shape[0]} rows but the input has batch size {query.shape[0]}; a cache "
+                "serves one batch (batch size x num_beams) from its first forward on"
+            )
+        if self.right_padded:
+            raise ValueError(
+                "this cache was prefilled from a right-padded batch, which cannot be extended: pad on the left "
+                "(tokenizer.padding_side = 'left') to generate"
+            )
+        return self._attend_new_tokens(query, key, value, num_seen, scaling, attention_mask, backend)
+
+    def _check_step(self, query, key, value, pattern, attention_mask, max_position_embeddings) -> int:
+        """Validate one call; returns the tokens seen after it."""
         self._check_call(query, key, value, pattern)
         if not self.is_compact and self.is_initialized:
             raise ValueError(
@@ -159,22 +180,15 @@ class S2CacheLayer(DynamicLayer):
                 f"attention_mask must be the 2-D key padding mask [B, past + Tq] = {[batch, num_seen]}, got "
                 f"{list(attention_mask.shape)}"
             )
-        if self.num_seen == 0:
-            out = s2_attention(query, key, value, pattern, scale=scaling, attention_mask=attention_mask,
-                               backend=backend)
-            self._store_prompt(key, value, pattern, attention_mask, num_q_heads=query.shape[1])
-            return out
+        return num_seen
 
-        if batch != self.keys.shape[0]:
-            raise ValueError(
-                f"the cache holds {self.keys.shape[0]} rows but the input has batch size {batch}; a cache serves one "
-                "batch (batch size x num_beams) from its first forward on"
-            )
-        if self.right_padded:
-            raise ValueError(
-                "this cache was prefilled from a right-padded batch, which cannot be extended: pad on the left "
-                "(tokenizer.padding_side = 'left') to generate"
-            )
+    def _attend_prompt(self, query, key, value, pattern, scaling, attention_mask, backend):
+        """Attention of the prompt (the first call) over its own full K/V."""
+        return s2_attention(query, key, value, pattern, scale=scaling, attention_mask=attention_mask, backend=backend)
+
+    def _attend_new_tokens(self, query, key, value, num_seen, scaling, attention_mask, backend):
+        """Write the new tokens into the compact storage (grown as needed) and attend over it."""
+        pattern, tq = self.layout.pattern, query.shape[2]
         seq_lens = self._new_seq_lens(attention_mask, tq)
         self._relayout(ring_blocks_for(pattern, tq), num_seen, self.seq_lens)  # room for the chunk's new blocks
         s2_cache_append(self.keys, self.values, key, value, seq_lens, self.layout, num_ring_slots=self.num_ring,
@@ -228,11 +242,15 @@ class S2CacheLayer(DynamicLayer):
             self.right_padded = bool(((first + seq_lens) != tq).logical_and(seq_lens > 0).any())
         self.layout = CompactLayout(pattern, num_q_heads, num_kv, pattern.local_blocks)
         self.dtype, self.device = key.dtype, key.device
-        self.num_ring = self.layout.num_ring_slots(tq)
-        num_slots = self.num_ring + self.layout.num_vertical_slots(tq)
+        self.num_ring, num_slots = self._prompt_slots(tq)
         self.keys = self._gather_prompt(key, first, seq_lens, num_slots)
         self.values = self._gather_prompt(value, first, seq_lens, num_slots)
         self.seq_lens, self.num_seen, self.is_initialized = seq_lens, tq, True
+
+    def _prompt_slots(self, num_tokens: int) -> tuple[int, int]:
+        """``(ring slots, all slots)`` to allocate for a prompt of ``num_tokens``: exactly what it fills."""
+        num_ring = self.layout.num_ring_slots(num_tokens)
+        return num_ring, num_ring + self.layout.num_vertical_slots(num_tokens)
 
     def _gather_prompt(self, states, first, seq_lens, num_slots):
         """The kept blocks of ``states [B, Hkv, T, D]`` (row b's position 0 at index ``first[b]``) in the layout."""
@@ -297,7 +315,7 @@ def kv_cache_bytes(cache: DynamicCache) -> dict[str, int]:
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
             continue
-        kind = "s2" if isinstance(layer, S2CacheLayer) else "dense"
+        kind = "s2" if getattr(layer, "is_sparse", False) else "dense"
         sizes[kind] += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
     return sizes
 

@@ -13,13 +13,10 @@ Self-contained on purpose (transformers + the flat kernel files only): it is cop
 saved checkpoint so that ``trust_remote_code`` loading works without this package installed.
 """
 
-import contextlib
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, AttentionMaskInterface, GenerationMixin
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask
@@ -40,8 +37,9 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .cache_s2_llama import S2CacheLayer, s2_cache_layer
 from .configuration_s2_llama import DENSE, FULL_ATTENTION, S2_ATTENTION, S2LlamaConfig
-from .kernels.interface import s2_attention
+from .kernels.interface import dense_attention, s2_attention
 from .kernels.pattern import S2Pattern, token_mask
+from .static_cache_s2_llama import S2StaticCache
 
 logger = logging.get_logger(__name__)
 
@@ -113,48 +111,6 @@ def s2_attention_forward(
     if packed:
         out = out.squeeze(0).unflatten(1, (b, tq)).transpose(0, 1)
     return out.transpose(1, 2).contiguous(), None
-
-
-# Decoding changes the key length every call, and cuDNN builds a new execution plan for every new shape (~20 ms on
-# an H100, more than the whole step); FlashAttention and the memory-efficient kernel have no such cost.
-_DECODE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def dense_attention(query, key, value, scale, dropout=0.0, key_padding_mask=None, cu_seqlens_q=None,
-                    cu_seqlens_k=None):
-    """Causal dense attention through SDPA, queries bottom-right aligned; same inputs as ``s2_attention``.
-
-    ``query [B, Hq, Tq, D]``, ``key/value [B, Hkv, Tk, D]`` -> ``[B, Hq, Tq, D]``. Rows of padded queries are 0.
-    Packed sequences (``cu_seqlens_*``, ``B == 1``) run one by one, so no block-diagonal mask is built.
-    """
-    if cu_seqlens_q is not None:
-        cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        pieces = [
-            dense_attention(query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1], scale, dropout)
-            for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])
-        ]
-        return torch.cat(pieces, dim=2)
-    tq, tk = query.shape[2], key.shape[2]
-    if key_padding_mask is None and (tq == tk or tq == 1):
-        # Unmasked: FlashAttention-class kernels on CUDA (a single query sees every key).
-        decoding = tq != tk and query.is_cuda
-        with sdpa_kernel(_DECODE_SDPA_BACKENDS) if decoding else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(
-                query, key, value, dropout_p=dropout, scale=scale, is_causal=tq > 1,
-                enable_gqa=query.shape[1] != key.shape[1]
-            )
-    q_pos = torch.arange(tk - tq, tk, device=query.device)
-    mask = (torch.arange(tk, device=query.device) <= q_pos[:, None])[None, None]  # [1, 1, Tq, Tk]
-    real_q = None
-    if key_padding_mask is not None:
-        real_k = key_padding_mask.to(device=query.device, dtype=torch.bool)
-        real_q = real_k[:, tk - tq :, None, None].transpose(1, 2)  # [B, 1, Tq, 1]
-        # A padded query sees no key; let it see all (its row is zeroed below) so no softmax row is empty.
-        mask = (mask & real_k[:, None, None, :]) | ~real_q
-    groups = query.shape[1] // key.shape[1]  # masked SDPA with enable_gqa falls back to the math kernel on CUDA
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale)
-    return out if real_q is None else out.masked_fill(~real_q, 0.0)
 
 
 AttentionInterface.register(S2_IMPLEMENTATION, s2_attention_forward)
@@ -539,7 +495,24 @@ class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
         ```python
         >>> from s2_models import S2LlamaForCausalLM
         >>> model = S2LlamaForCausalLM.from_pretrained(path_to_llama_checkpoint, sparsity=hybrid_sparsity(32))
-        ```"""
+        ```
+
+        With an ``S2StaticCache`` (``generate(..., cache_implementation="static")``), decode steps on CUDA without
+        gradients replay a captured CUDA graph of this forward."""
+        cache = past_key_values
+        if isinstance(cache, S2StaticCache) and cache.graphs_apply(
+            input_ids, inputs_embeds, labels, kwargs.get("output_attentions"), kwargs.get("output_hidden_states")
+        ):
+            if position_ids is None:  # what S2LlamaModel would compute: the next position of every row
+                position_ids = torch.full_like(input_ids, cache.get_seq_length())
+
+            def decode_step(ids, positions):
+                hidden = self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
+                return self.lm_head(hidden.last_hidden_state)
+
+            logits = cache.graphed_step(decode_step, input_ids, position_ids)
+            return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -565,6 +538,22 @@ class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+
+
+    def _prepare_static_cache(self, cache_implementation, batch_size, max_cache_len, prefill_chunk_size, model_kwargs):
+        """``generate(..., cache_implementation="static")`` gets an ``S2StaticCache`` (transformers' ``StaticCache``
+        would keep every key of the sparse layers)."""
+        if cache_implementation != "static":
+            raise ValueError(
+                f'S2 models support cache_implementation="static" (an S2StaticCache) or the default dynamic cache, '
+                f"got {cache_implementation!r}"
+            )
+        if prefill_chunk_size is not None:
+            raise ValueError(
+                "prefill_chunk_size needs the default dynamic cache: a static S2 cache takes one token per step after "
+                "the prompt"
+            )
+        return S2StaticCache(self.config.get_text_config(decoder=True), max_cache_len=max_cache_len)
 
 
 __all__ = ["S2LlamaForCausalLM", "S2LlamaModel", "S2LlamaPreTrainedModel"]

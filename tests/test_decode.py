@@ -33,7 +33,18 @@ def compact_cache(k, seq_lens, layout):
     return out.masked_fill(~ok[..., None], 0).flatten(2, 3), num_ring
 
 
-def case(pattern, dtype, tq, seed_lens):
+def allocated_ahead(cache, layout, num_ring, extra_slots):
+    """``cache`` as a static cache holds it: the whole ring allocated and ``extra_slots`` more vertical slots, all
+    filled with finite garbage that no query may read (the ring keeps its slot order, the vertical slots move)."""
+    bs = layout.block_size
+    b, hkv, _, d = cache.shape
+    ring = torch.randn(b, hkv, layout.ring_blocks * bs, d, dtype=cache.dtype)
+    ring[:, :, : num_ring * bs] = cache[:, :, : num_ring * bs]
+    extra = torch.randn(b, hkv, extra_slots * bs, d, dtype=cache.dtype)
+    return torch.cat([ring, cache[:, :, num_ring * bs :], extra], 2)
+
+
+def case(pattern, dtype, tq, seed_lens, extra_slots=None):
     b, hkv, group, d = 2, 2, 2, 32
     t = max(seed_lens)
     q = torch.randn(b, hkv * group, tq, d, dtype=dtype)
@@ -43,6 +54,9 @@ def case(pattern, dtype, tq, seed_lens):
     layout = CompactLayout(pattern, hkv * group, hkv, ring_blocks_for(pattern, tq))
     k_cache, num_ring = compact_cache(k, seq_lens, layout)
     v_cache, _ = compact_cache(v, seq_lens, layout)
+    if extra_slots is not None:
+        k_cache, v_cache = (allocated_ahead(c, layout, num_ring, extra_slots) for c in (k_cache, v_cache))
+        num_ring = layout.ring_blocks
     full_q = torch.zeros(b, hkv * group, t, d, dtype=dtype)
     full_q[:, :, t - tq :] = q
     ref, _ = naive_s2_attention(full_q, k, v, pattern, attention_mask=mask)
@@ -70,6 +84,25 @@ def test_triton_matches_torch_path(pattern, dtype, tq, num_splits):
     out = s2_decode_attention(*on_device, layout, num_ring_slots=num_ring, backend="triton", num_splits=num_splits)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.float().cpu(), expected.float(), atol=tol, rtol=tol)
+
+
+DENSE = S2Pattern(block_size=16, local_blocks=1, vert_stride=1)  # every block vertical: a static cache's dense layers
+
+
+@pytest.mark.parametrize("pattern", [PATTERNS[0], PATTERNS[2], DENSE], ids=repr)
+@pytest.mark.parametrize("tq", [1, 3])
+def test_slots_allocated_ahead_are_never_read(pattern, tq):
+    """A static cache allocates the whole ring and the vertical slots of its maximum length up front: both paths
+    read only the slots each row fills (the kernel finds them from the row's length), whatever the rest holds."""
+    lens = [random.randint(tq, 150), random.randint(1, 40)]
+    q, kc, vc, seq_lens, layout, num_ring, ref = case(pattern, torch.float64, tq, lens, extra_slots=9)
+    out = s2_decode_attention(q, kc, vc, seq_lens, layout, num_ring_slots=num_ring, backend="torch")
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+    on_device = [t.float().to(DEVICE) for t in (q, kc, vc)] + [seq_lens.to(DEVICE)]
+    for num_splits in (1, 4):
+        out = s2_decode_attention(*on_device, layout, num_ring_slots=num_ring, backend="triton",
+                                  num_splits=num_splits)
+        torch.testing.assert_close(out.double().cpu(), ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,125 @@
+"""The static S2 cache: generate(cache_implementation="static") equals the dynamic cache, memory, CUDA graphs."""
+
+import pytest
+import torch
+from test_cache import PATTERN, tiny_model
+
+from s2_models.cache_s2_llama import kv_cache_bytes
+from s2_models.kernels.pattern import S2Pattern
+from s2_models.static_cache_s2_llama import DENSE_LAYER_PATTERN, S2StaticCache, S2StaticLayer
+
+GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+
+
+def left_padded(batch=3, length=150, pads=(0, 37, 90), device="cpu"):
+    ids = torch.randint(3, 100, (batch, length), device=device)
+    mask = (torch.arange(length, device=device)[None, :] >= torch.tensor(pads, device=device)[:, None]).long()
+    return ids, mask
+
+
+def test_static_generation_equals_dynamic_generation_left_padded():
+    """Greedy tokens and every step's logits match the dynamic compact cache; the cache is the static one."""
+    model = tiny_model()
+    ids, mask = left_padded()
+    kwargs = dict(attention_mask=mask, max_new_tokens=25, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    static = model.generate(ids, cache_implementation="static", **kwargs)
+    dynamic = model.generate(ids, **kwargs)
+    assert isinstance(static.past_key_values, S2StaticCache)
+    assert torch.equal(static.sequences, dynamic.sequences)
+    torch.testing.assert_close(torch.stack(static.logits), torch.stack(dynamic.logits), atol=1e-5, rtol=1e-5)
+    assert static.past_key_values.get_seq_length() == ids.shape[1] + 24  # the last token is not fed back
+    alone = model.generate(ids[2:, 90:], max_new_tokens=25, cache_implementation="static", **GREEDY)
+    assert torch.equal(static.sequences[2:, 90:], alone)
+
+
+def test_beam_search_and_sampling_equal_the_dynamic_cache():
+    model = tiny_model()
+    ids = torch.randint(3, 100, (2, 70))
+    for kwargs in ({"num_beams": 3, "num_return_sequences": 2}, {"do_sample": True, "top_k": 5}):
+        results = []
+        for cache_implementation in ("static", None):
+            torch.manual_seed(0)
+            results.append(model.generate(ids, max_new_tokens=20, pad_token_id=0, eos_token_id=None,
+                                          cache_implementation=cache_implementation, **kwargs))
+        assert torch.equal(*results)
+
+
+def test_memory_sparse_layers_hold_the_kept_fraction_dense_layers_everything():
+    model = tiny_model()
+    n = 1000
+    cache = S2StaticCache(model.config, max_cache_len=n)
+    with torch.no_grad():
+        model(torch.randint(3, 100, (1, 400)), past_key_values=cache, use_cache=True)
+    token_bytes = 2 * model.config.num_key_value_heads * model.config.head_dim * 4  # K and V, float32
+    dense_bs = DENSE_LAYER_PATTERN.block_size
+    dense_tokens = (-(-n // dense_bs) + 1) * dense_bs  # every block of n tokens and one (empty) ring block
+    blocks = -(-n // PATTERN.block_size)
+    kept_tokens = (PATTERN.local_blocks + -(-blocks // PATTERN.vert_stride)) * PATTERN.block_size
+    assert kv_cache_bytes(cache) == {"dense": dense_tokens * token_bytes, "s2": 2 * kept_tokens * token_bytes}
+
+
+def test_errors():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="max_cache_len"):
+        S2StaticCache(model.config, max_cache_len=2000)  # beyond max_position_embeddings=1024
+    with pytest.raises(ValueError, match="S2LlamaConfig"):
+        S2StaticCache(object(), max_cache_len=10)
+    cache = S2StaticCache(model.config, max_cache_len=60)
+    ids = torch.randint(3, 100, (2, 50))
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match="one token per row"):
+            model(ids[:, :3], past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match="batch size"):
+            model(ids[:1, :1], past_key_values=cache, use_cache=True)
+        for _ in range(10):
+            model(ids[:, :1], past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match="max_cache_len=60"):
+            model(ids[:, :1], past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="beam_idx"):
+        cache.reorder_cache(torch.tensor([0, 1, 1]))
+    with pytest.raises(ValueError, match="batch size"):
+        cache.batch_repeat_interleave(2)
+    with pytest.raises(ValueError, match="cropped"):
+        cache.crop(-1)
+    with pytest.raises(ValueError, match="static S2 cache serves"):
+        cache.layers[0].update(ids, ids)
+    with pytest.raises(ValueError, match="built for the pattern"):
+        S2StaticLayer(PATTERN, 10).update_and_attend(*(torch.randn(1, 2, 4, 16),) * 3, S2Pattern(block_size=32))
+    with pytest.raises(ValueError, match="offloaded_static"):
+        model.generate(ids, max_new_tokens=2, cache_implementation="offloaded_static", **GREEDY)
+    with pytest.raises(ValueError, match="prefill_chunk_size"):
+        model.generate(ids, max_new_tokens=2, cache_implementation="static", prefill_chunk_size=16, **GREEDY)
+
+
+def test_reset_makes_room_for_a_new_prompt():
+    model = tiny_model()
+    cache = S2StaticCache(model.config, max_cache_len=100)
+    ids = torch.randint(3, 100, (1, 60))
+    with torch.no_grad():
+        first = model(ids, past_key_values=cache, use_cache=True).logits
+        cache.reset()
+        again = model(ids, past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(first, again)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_decoding_equals_eager_decoding(dtype):
+    """Replayed CUDA graphs give the eager step's logits at every step (left padding, GQA, dense + sparse layers),
+    and a reset cache captures new graphs for the new storage."""
+    torch.manual_seed(0)
+    model = tiny_model().to("cuda", dtype)
+    ids, mask = left_padded(length=300, device="cuda")
+    kwargs = dict(attention_mask=mask, max_new_tokens=40, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    cache = S2StaticCache(model.config, max_cache_len=400)
+    graphed = model.generate(ids, past_key_values=cache, **kwargs)
+    assert len(cache._graphs) == 1
+    eager = model.generate(ids, past_key_values=S2StaticCache(model.config, 400, cuda_graphs=False), **kwargs)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(torch.stack(graphed.logits), torch.stack(eager.logits), atol=tol, rtol=tol)
+    dynamic = model.generate(ids, **kwargs)
+    torch.testing.assert_close(torch.stack(graphed.logits), torch.stack(dynamic.logits), atol=tol, rtol=tol)
+    cache.reset()
+    again = model.generate(ids, past_key_values=cache, **kwargs)
+    assert torch.equal(again.sequences, graphed.sequences)
