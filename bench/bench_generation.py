@@ -109,7 +109,8 @@ class StepTimes(StoppingCriteria):
 def generate_speed(model, batch, length, steps=48, **generate_kwargs):
     """End to end through ``generate`` (greedy, no EOS): time to the first token (the prefill) and the median time
     of the later steps. The warm-up call compiles what needs compiling (Triton tiles, torch.compile graphs)."""
-    ids = torch.randint(0, SHAPES["vocab_size"], (batch, length), device="cuda")
+    # no pad token (0) in the prompt: generate would read it as padding and mask it
+    ids = torch.randint(1, SHAPES["vocab_size"], (batch, length), device="cuda")
     kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0, **generate_kwargs)
     model.generate(ids, max_new_tokens=4, **kwargs)
     stamps = StepTimes()

@@ -146,7 +146,6 @@ class S2StaticCache(Cache):
             raise ValueError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
         patterns = [None if spec == DENSE else S2Pattern.from_dict(spec) for spec in sparsity]
         super().__init__(layers=[S2StaticLayer(pattern, max_cache_len) for pattern in patterns])
-        self.max_cache_len = max_cache_len
         self.cuda_graphs = cuda_graphs
         self._graphs: dict[tuple, _CapturedStep] = {}
         self._warmed_up: set[tuple] = set()
