@@ -156,6 +156,7 @@ class S2StaticCache(Cache):
         super().reset()
         self._graphs.clear()
         self._warmed_up.clear()
+        self._pool = None  # a pool whose graphs are all freed cannot take new captures
 
     def graphs_apply(self, input_ids, *other_inputs) -> bool:
         """Whether a decode step with these inputs runs as a CUDA graph: graphs enabled, ``input_ids [B, 1]`` on
