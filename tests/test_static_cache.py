@@ -103,11 +103,23 @@ def test_reset_makes_room_for_a_new_prompt():
     torch.testing.assert_close(first, again)
 
 
+def assert_same_steps(run, reference, prompt_length, tol, min_steps):
+    """Logits of every step up to the first differing token (in half precision a near-tie may pick another token;
+    from there on the two runs continue different sequences); at least ``min_steps`` steps must agree."""
+    new_tokens = run.sequences[:, prompt_length:] != reference.sequences[:, prompt_length:]
+    differing = new_tokens.any(0).nonzero()
+    agree = int(differing[0]) if len(differing) else new_tokens.shape[1]
+    assert agree >= min_steps
+    steps = min(agree + 1, new_tokens.shape[1])  # the first differing token still comes from the same prefix
+    torch.testing.assert_close(torch.stack(run.logits[:steps]), torch.stack(reference.logits[:steps]), atol=tol,
+                               rtol=tol)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_decoding_equals_eager_decoding(dtype):
     """Replayed CUDA graphs give the eager step's logits at every step (left padding, GQA, dense + sparse layers),
-    and a reset cache captures new graphs for the new storage."""
+    as does the dynamic cache, and a reset cache captures new graphs for its new storage."""
     torch.manual_seed(0)
     model = tiny_model().to("cuda", dtype)
     ids, mask = left_padded(length=300, device="cuda")
@@ -116,10 +128,10 @@ def test_cuda_graph_decoding_equals_eager_decoding(dtype):
     graphed = model.generate(ids, past_key_values=cache, **kwargs)
     assert len(cache._graphs) == 1
     eager = model.generate(ids, past_key_values=S2StaticCache(model.config, 400, cuda_graphs=False), **kwargs)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(torch.stack(graphed.logits), torch.stack(eager.logits), atol=tol, rtol=tol)
     dynamic = model.generate(ids, **kwargs)
-    torch.testing.assert_close(torch.stack(graphed.logits), torch.stack(dynamic.logits), atol=tol, rtol=tol)
+    tol, min_steps = (1e-4, 40) if dtype == torch.float32 else (2e-2, 10)
+    assert_same_steps(graphed, eager, ids.shape[1], tol, min_steps=40)
+    assert_same_steps(graphed, dynamic, ids.shape[1], tol, min_steps)
     cache.reset()
     again = model.generate(ids, past_key_values=cache, **kwargs)
     assert torch.equal(again.sequences, graphed.sequences)
