@@ -28,6 +28,9 @@ for dtype in (torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.flo
         seq_lens = torch.tensor([n, n - 5], device=DEVICE)
         s2_decode_attention(q.detach()[:, :, :1], cache, cache, seq_lens, layout,
                             num_ring_slots=layout.num_ring_slots(n))
+        ahead = torch.randn(2, 2, (slots + 7) * pattern.block_size, d, device=DEVICE, dtype=dtype)  # static cache
+        s2_decode_attention(q.detach()[:, :, :1], ahead, ahead, seq_lens, layout, num_ring_slots=layout.ring_blocks,
+                            num_splits=3)
         new = k.detach()[:, :, :3]
         s2_cache_append(cache, cache.clone(), new, new, seq_lens, layout, num_ring_slots=layout.num_ring_slots(n))
 if DEVICE == "cuda":
