@@ -90,7 +90,7 @@ def test_remote_code_files_are_flat_and_self_contained(saved):
         "AutoModelForCausalLM": "modeling_s2_llama.S2LlamaForCausalLM",
     }
     for name in ("configuration_s2_llama.py", "modeling_s2_llama.py", "remote_code.py", "interface.py",
-                 "pattern.py", "torch_impl.py"):
+                 "pattern.py", "torch_impl.py", "cache_s2_llama.py", "static_cache_s2_llama.py", "decode.py"):
         imports = re.findall(r"^\s*(?:from|import)\s+(\S+)", (path / name).read_text(), flags=re.MULTILINE)
         package_imports = [m for m in imports if m.startswith((".kernels", "s2_models"))]
         assert set(package_imports) <= {"s2_models.model_card", "s2_models.hub"}, name  # guarded imports
@@ -118,6 +118,9 @@ REMOTE_LOAD = textwrap.dedent(
     ids = torch.load(out + ".ids")
     with torch.no_grad():
         torch.save(model(input_ids=ids).logits, out)
+    static = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                            pad_token_id=0, cache_implementation="static", return_dict_in_generate=True)
+    assert type(static.past_key_values).__name__ == "S2StaticCache", type(static.past_key_values)
     model.save_pretrained(resave)
     """
 )
