@@ -133,7 +133,7 @@ class S2StaticCache(Cache):
         cuda_graphs: replay decode steps on CUDA as CUDA graphs (default ``True``).
     """
 
-    def __init__(self, config, max_cache_len: int, cuda_graphs: bool = True, **kwargs):
+    def __init__(self, config, max_cache_len: int, cuda_graphs: bool = True):
         sparsity = getattr(config, "sparsity", None)
         if not isinstance(sparsity, list | tuple):
             raise ValueError(f"config must be an S2LlamaConfig (per-layer sparsity), got {type(config).__name__}")
