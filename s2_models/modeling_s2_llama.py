@@ -432,6 +432,11 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
 
     def _attention_masks(self, inputs_embeds, attention_mask, past_key_values, position_ids, cu_seqlens) -> dict:
         """The mask of every layer, keyed ``"full_attention"`` for dense layers and by ``S2Pattern`` for sparse ones."""
+        if isinstance(attention_mask, dict):  # what generate() precomputes for transformers' compileable caches
+            raise ValueError(
+                "S2 models build their own masks from the [B, T] padding mask: transformers' StaticCache is not "
+                'supported; use cache_implementation="static" (an S2StaticCache) or the default dynamic cache'
+            )
         full_mask = create_causal_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
@@ -547,6 +552,11 @@ class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
             raise ValueError(
                 f'S2 models support cache_implementation="static" (an S2StaticCache) or the default dynamic cache, '
                 f"got {cache_implementation!r}"
+            )
+        if self.config._attn_implementation != S2_IMPLEMENTATION:
+            raise ValueError(
+                'cache_implementation="static" needs attn_implementation="s2" (its decode kernel reads the static '
+                f'cache); the reference implementation {self.config._attn_implementation!r} needs the dynamic cache'
             )
         if prefill_chunk_size is not None:
             raise ValueError(

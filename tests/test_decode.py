@@ -91,9 +91,10 @@ DENSE = S2Pattern(block_size=16, local_blocks=1, vert_stride=1)  # every block v
 
 @pytest.mark.parametrize("pattern", [PATTERNS[0], PATTERNS[2], DENSE], ids=repr)
 @pytest.mark.parametrize("tq", [1, 3])
-def test_slots_allocated_ahead_are_never_read(pattern, tq):
-    """A static cache allocates the whole ring and the vertical slots of its maximum length up front: both paths
-    read only the slots each row fills (the kernel finds them from the row's length), whatever the rest holds."""
+def test_slots_allocated_ahead_are_ignored(pattern, tq):
+    """A static cache allocates the whole ring and the vertical slots of its maximum length up front: whatever the
+    unfilled slots hold, both paths give the reference (the kernel also sizes its loop from each row's length, so
+    it does not load them; that is a matter of speed, measured in the benchmark)."""
     lens = [random.randint(tq, 150), random.randint(1, 40)]
     q, kc, vc, seq_lens, layout, num_ring, ref = case(pattern, torch.float64, tq, lens, extra_slots=9)
     out = s2_decode_attention(q, kc, vc, seq_lens, layout, num_ring_slots=num_ring, backend="torch")

@@ -3,6 +3,8 @@
 import pytest
 import torch
 from test_cache import PATTERN, tiny_model
+from test_modeling import tiny_model as dense_model_of
+from transformers import StaticCache
 
 from s2_models.cache_s2_llama import kv_cache_bytes
 from s2_models.kernels.pattern import S2Pattern
@@ -90,6 +92,13 @@ def test_errors():
         model.generate(ids, max_new_tokens=2, cache_implementation="offloaded_static", **GREEDY)
     with pytest.raises(ValueError, match="prefill_chunk_size"):
         model.generate(ids, max_new_tokens=2, cache_implementation="static", prefill_chunk_size=16, **GREEDY)
+    dense = dense_model_of(sparsity="dense")  # transformers builds StaticCache layers for dense models only
+    with pytest.raises(ValueError, match="StaticCache is not supported"):
+        dense.generate(ids, max_new_tokens=2, past_key_values=StaticCache(config=dense.config, max_cache_len=60),
+                       **GREEDY)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match='needs attn_implementation="s2"'):
+        model.generate(ids, max_new_tokens=2, cache_implementation="static", **GREEDY)
 
 
 def test_reset_makes_room_for_a_new_prompt():
