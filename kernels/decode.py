@@ -24,14 +24,12 @@ Only torch is imported here; Triton is imported on first use (``decode_triton.py
 
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from .interface import check_scale, use_triton
+from .layouts import CompactLayout
 from .pattern import S2Pattern
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: PyTorch path only
@@ -39,112 +37,9 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float6
 _MAX_SCORE_ELEMENTS = 1 << 25
 
 
-@dataclass(frozen=True)
-class CompactLayout:
-    """Where each kept block of one sparse layer lives in its compact cache (see the module docstring).
-
-    ``ring_blocks`` (>= ``pattern.local_blocks``) is the ring's modulus: a write of ``Tq`` tokens before attending
-    needs ``local_blocks + cdiv(Tq - 1, block_size)`` (see ``ring_blocks_for``) so that the new blocks do not
-    overwrite blocks the chunk's first queries still read.
-    """
-
-    pattern: S2Pattern
-    num_q_heads: int
-    num_kv_heads: int
-    ring_blocks: int
-
-    def __post_init__(self):
-        for name in ("num_q_heads", "num_kv_heads", "ring_blocks"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.num_q_heads % self.num_kv_heads:
-            raise ValueError(f"num_q_heads={self.num_q_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.ring_blocks < self.pattern.local_blocks:
-            raise ValueError(f"ring_blocks must be >= local_blocks={self.pattern.local_blocks}, got {self.ring_blocks}")
-        self.pattern.check_num_heads(self.num_pattern_heads)
-
-    @property
-    def block_size(self) -> int:
-        return self.pattern.block_size
-
-    @property
-    def num_pattern_heads(self) -> int:
-        return self.pattern.num_pattern_heads(self.num_q_heads, self.num_kv_heads)
-
-    @property
-    def q_heads_per_kv(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
-
-    @property
-    def q_heads_per_pattern(self) -> int:
-        return self.num_q_heads // self.num_pattern_heads
-
-    def pattern_head_residue(self, head: int) -> int | None:
-        """``j % vert_stride`` of pattern head ``head``'s vertical blocks; ``None`` for a dense head."""
-        p = self.pattern
-        num_heads = self.num_pattern_heads
-        if head >= num_heads - p.num_dense_heads:
-            return None
-        return -(head * p.head_step(num_heads) + p.head_sliding_offset) % p.vert_stride
-
-    @functools.cached_property
-    def vertical_residues(self) -> tuple[tuple[int, ...], ...]:
-        """Per KV head, the sorted residues ``j % vert_stride`` of its vertical (never evicted) blocks."""
-        per_kv = []
-        heads_per_kv = self.num_pattern_heads // self.num_kv_heads  # 1, or the query group with per_query_head
-        for kv in range(self.num_kv_heads):
-            residues = set()
-            for head in range(kv * heads_per_kv, (kv + 1) * heads_per_kv):
-                residue = self.pattern_head_residue(head)
-                residues.update(range(self.pattern.vert_stride) if residue is None else (residue,))
-            per_kv.append(tuple(sorted(residues)))
-        return tuple(per_kv)
-
-    def num_vertical_slots(self, num_tokens: int) -> int:
-        """Vertical slots needed once a row holds ``num_tokens`` tokens (the maximum over KV heads)."""
-        if num_tokens <= 0:
-            return 0
-        last = (num_tokens - 1) // self.block_size
-        vs = self.pattern.vert_stride
-        return max((last // vs) * len(r) + sum(x <= last % vs for x in r) for r in self.vertical_residues)
-
-    def num_ring_slots(self, num_tokens: int) -> int:
-        """Ring slots allocated once a row holds ``num_tokens`` tokens (the ring fills during its first lap)."""
-        return min(self.ring_blocks, -(-num_tokens // self.block_size))
-
-    def tables(self, device) -> SlotTables:
-        """The ``SlotTables`` of this layout on ``device`` (built once per layout and device)."""
-        return _tables(self, str(device))
-
-
-class SlotTables(NamedTuple):
-    """Per-KV-head tables of a layout's vertical residues (int32, on one device), read by the slot rules."""
-
-    residues: torch.Tensor  # [Hkv, vs]: the sorted residues j % vert_stride of the vertical blocks, then zeros
-    rank: torch.Tensor  # [Hkv, vs]: index of residue r among them, -1 if r is not vertical
-    counts: torch.Tensor  # [Hkv]: how many residues
-    vertical_upto: torch.Tensor  # [Hkv, vs]: how many residues are <= r
-
-
 def ring_blocks_for(pattern: S2Pattern, num_new_tokens: int) -> int:
     """The ring modulus that lets a write of ``num_new_tokens`` tokens precede the chunk's attention."""
     return pattern.local_blocks + -(-max(0, num_new_tokens - 1) // pattern.block_size)
-
-
-@functools.lru_cache(maxsize=256)
-def _tables(layout: CompactLayout, device: str) -> SlotTables:
-    vs = layout.pattern.vert_stride
-    residues = torch.zeros(layout.num_kv_heads, vs, dtype=torch.int32)
-    rank = torch.full((layout.num_kv_heads, vs), -1, dtype=torch.int32)
-    counts = torch.zeros(layout.num_kv_heads, dtype=torch.int32)
-    for kv, kept in enumerate(layout.vertical_residues):
-        counts[kv] = len(kept)
-        for i, r in enumerate(kept):
-            residues[kv, i] = r
-            rank[kv, r] = i
-    vertical_upto = (rank >= 0).int().cumsum(-1, dtype=torch.int32)
-    return SlotTables(*(t.to(device) for t in (residues, rank, counts, vertical_upto)))
 
 
 # ---------------------------------------------------------------------------------------------- slot <-> block

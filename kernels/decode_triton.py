@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .decode import CompactLayout
+from .layouts import CompactLayout
 from .triton_impl import row_mask
 from .triton_setup import tl, triton
 

@@ -16,51 +16,16 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .layouts import BlockLayout, Varlen
 from .pattern import S2Pattern, check_block_size
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: PyTorch path only
 BACKENDS = ("auto", "triton", "torch")
-
-
-@dataclass(frozen=True)
-class BlockLayout:
-    """The resolved sparsity of one call.
-
-    ``block_mask`` is ``bool [P, M, N]`` over absolute blocks (row ``i`` = query block ``i`` counted from the
-    sequence's first token), on the inputs' device, with ``M, N >= cdiv(max_seqlen_k, block_size)``. Query head
-    ``hq`` reads pattern head ``hq // (Hq // P)`` and KV head ``hq // (Hq // Hkv)``. ``cache_key`` is a hashable
-    identity when the mask was derived from an ``S2Pattern`` (backends may then cache block lists built from it);
-    ``None`` for user-supplied masks, which are never cached.
-    """
-
-    block_mask: torch.Tensor
-    block_size: int
-    causal: bool
-    cache_key: tuple | None
-
-    @property
-    def num_pattern_heads(self) -> int:
-        return self.block_mask.shape[0]
-
-
-@dataclass(frozen=True)
-class Varlen:
-    """Packed sequences: sequence ``b`` owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q (likewise k/v)."""
-
-    cu_seqlens_q: torch.Tensor  # int32 [S + 1], on the inputs' device
-    cu_seqlens_k: torch.Tensor  # int32 [S + 1]
-    max_seqlen_q: int
-    max_seqlen_k: int
-
-    @property
-    def num_seqs(self) -> int:
-        return self.cu_seqlens_q.numel() - 1
 
 
 def s2_attention(

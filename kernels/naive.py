@@ -9,7 +9,8 @@ import math
 
 import torch
 
-from .interface import BlockLayout, Varlen, padding_to_varlen
+from .interface import padding_to_varlen
+from .layouts import BlockLayout, Varlen
 from .pattern import S2Pattern, token_mask
 
 

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .interface import BlockLayout, Varlen
+from .layouts import BlockLayout, Varlen
 
 # Upper bound on score elements materialized per chunk of query blocks (float32: 4 bytes each).
 _MAX_SCORE_ELEMENTS = 1 << 25

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .interface import BlockLayout, Varlen
+from .layouts import BlockLayout, Varlen
 from .triton_setup import tl, triton
 
 LOG2E = math.log2(math.e)
