@@ -248,3 +248,19 @@ def test_gpu_backward_is_deterministic():
     second = _forward_backward(fn, q, k, v, grad_out, grad_lse, lambda t: t)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+def _gpu_candidates():
+    """(kind, head-dim class, config) for every GPU tile candidate, pipelined ones included."""
+    return [(kind, size, config) for (kind, size), configs in triton_impl._CANDIDATES.items() for config in configs]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,size,config", _gpu_candidates(), ids=lambda x: str(x))
+def test_gpu_every_candidate_config(monkeypatch, kind, size, config):
+    """Each candidate the tuner may pick (any num_stages) is exact: pipelining must not change results."""
+    monkeypatch.setitem(triton_impl._CANDIDATES, (kind, size), [config])
+    monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})
+    head_dim = {"small": 64, "medium": 128, "large": 256}[size]
+    pattern = S2Pattern(block_size=32, local_blocks=3, vert_stride=4)
+    check_against_reference(400, (1, 4, 2, 1111, 1111, head_dim), torch.bfloat16, pattern)
