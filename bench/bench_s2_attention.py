@@ -4,6 +4,11 @@ GPU only. Writes ``bench/results/<gpu>-<date>.json`` and prints a markdown table
 
     python bench/bench_s2_attention.py            # everything (~20 min on an H100)
     python bench/bench_s2_attention.py --quick    # headline at T=131072 + short sweeps (< 8 min)
+    python bench/bench_s2_attention.py --compare dkernel   # the issue-9 shapes against dkernel and cuDNN (~4 min)
+
+dkernel (the S2 authors' Triton library, ``pip install git+https://github.com/linxihui/dkernel``) is a baseline
+whenever it is importable; it gets the identical pattern (``head_sliding_offset=0``) and, for GQA, K/V repeated to
+the query heads inside the timed call (it has no native GQA).
 
 Headline: H=32, D=128, bf16, causal, B x T = 131072 tokens; pattern block 64, local_blocks 16, vert_stride 16,
 heterogeneous heads; forward and forward+backward. Throughput columns:
@@ -120,6 +125,99 @@ def flex(pattern: S2Pattern, heads: int, kv_heads: int, seqlen: int, flex_block:
                                     kernel_options=tiles)
 
 
+def dkernel(pattern: S2Pattern, heads: int, kv_heads: int, seqlen: int):
+    """dkernel's ``LocalStrideSparseAttention`` with the same pattern; K/V repeated for GQA inside the call."""
+    from dkernel import LocalStrideSparseAttention
+
+    pattern_heads = pattern.num_pattern_heads(heads, kv_heads)
+    if (pattern.head_sliding_offset != 0 or pattern.num_dense_heads or pattern.per_query_head
+            or pattern.head_step(pattern_heads) != dkernel_head_step(pattern, heads)):
+        raise ValueError("dkernel's local-stride pattern differs: needs head_sliding_offset=0, no dense heads, KV-head "
+                         "patterns and head_sliding_step=dkernel_head_step(pattern, heads)")
+    attn = LocalStrideSparseAttention(
+        heads, seqlen, pattern.block_size, pattern.local_blocks, pattern.vert_stride, homo_head=pattern.homo_head,
+        num_kv_heads=kv_heads if kv_heads != heads else None, head_sliding_offset=0, seq_dim=2,
+    ).cuda()
+
+    def attention(q, k, v):
+        if k.shape[1] != q.shape[1]:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        return attn(q, k, v)
+
+    return attention
+
+
+def dkernel_head_step(pattern: S2Pattern, heads: int) -> int:
+    """dkernel's stripe shift per head: counted from the *query* head count even with GQA (ours counts pattern
+    heads), so comparisons set ``head_sliding_step`` to this."""
+    return 0 if pattern.homo_head else max(1, pattern.vert_stride // heads)
+
+
+def dkernel_available() -> bool:
+    try:
+        import dkernel  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# Issue 9's shapes (H=32, D=128 unless given): name, pattern fields, batch, seqlen, heads, kv_heads, head_dim.
+COMPARE_SHAPES = [
+    ("block 64, T=131072", dict(block_size=64, local_blocks=16), 1, 131072, 32, 32, 128),
+    ("block 64, T=32768", dict(block_size=64, local_blocks=16), 4, 32768, 32, 32, 128),
+    ("block 64, T=8192", dict(block_size=64, local_blocks=16), 16, 8192, 32, 32, 128),
+    ("block 16, T=16384", dict(block_size=16, local_blocks=64), 8, 16384, 32, 32, 128),
+    ("block 32, T=16384", dict(block_size=32, local_blocks=32), 8, 16384, 32, 32, 128),
+    ("block 128, T=16384", dict(block_size=128, local_blocks=8), 8, 16384, 32, 32, 128),
+    ("D=64, block 64, T=32768", dict(block_size=64, local_blocks=16), 4, 32768, 32, 32, 64),
+    ("GQA 32/8, block 64, T=32768", dict(block_size=64, local_blocks=16), 4, 32768, 32, 8, 128),
+    ("GQA 32/8, D=64, T=16384", dict(block_size=64, local_blocks=16), 8, 16384, 32, 8, 64),
+]
+
+
+def compare(rows: list, baselines: list, budget: float, only: str | None) -> None:
+    """Issue 9's table: s2 vs dkernel vs cuDNN dense causal, with ratios and per-FLOP efficiency vs cuDNN."""
+    from torch.nn.attention import SDPBackend
+
+    modes = ("fwd", "fwd+bwd")
+    for name, fields, batch, seqlen, heads, kv_heads, head_dim in COMPARE_SHAPES:
+        if only and only not in name:
+            continue
+        pattern = S2Pattern(vert_stride=16, head_sliding_offset=0, head_sliding_step=max(1, 16 // heads), **fields)
+        shape = (pattern, batch, heads, kv_heads, seqlen, head_dim, modes, budget)
+        run_case(rows, name, "s2-triton", lambda p=pattern: s2(p), *shape)
+        if "dkernel" in baselines:
+            run_case(rows, name, "dkernel", lambda p=pattern, h=heads, g=kv_heads, t=seqlen: dkernel(p, h, g, t),
+                     *shape)
+        if "cudnn" in baselines:
+            run_case(rows, name, "sdpa-cudnn", lambda: sdpa(SDPBackend.CUDNN_ATTENTION), *shape)
+
+
+def print_comparison(rows: list) -> None:
+    """ms per (shape, impl, mode); ratio = dkernel ms / s2 ms (> 1: s2 faster); efficiency = cuDNN ms x density /
+    impl ms (the issue's per-FLOP efficiency against cuDNN's dense causal kernel)."""
+    table: dict = {}
+    for r in rows:
+        if "ms" in r:
+            table.setdefault(r["section"], {})[(r["impl"], r["mode"])] = (r["ms"], r["density"])
+    print("| shape | s2 fwd / fwd+bwd ms | dkernel fwd / fwd+bwd ms | dkernel / s2 fwd, fwd+bwd "
+          "| cuDNN fwd / fwd+bwd ms | eff. vs cuDNN s2 fwd, fwd+bwd | eff. vs cuDNN dkernel fwd, fwd+bwd |")
+    print("|---|---|---|---|---|---|---|")
+
+    def cell(section, impl):
+        vals = [table[section].get((impl, m)) for m in ("fwd", "fwd+bwd")]
+        return vals, " / ".join(f"{v[0]:.2f}" if v else "-" for v in vals)
+
+    for section in table:
+        s2_vals, s2_cell = cell(section, "s2-triton")
+        dk_vals, dk_cell = cell(section, "dkernel")
+        cu_vals, cu_cell = cell(section, "sdpa-cudnn")
+        ratio = ", ".join(f"{d[0] / s[0]:.2f}" if d and s else "-" for d, s in zip(dk_vals, s2_vals))
+        eff = [", ".join(f"{c[0] * c[1] / x[0]:.2f}" if c and x else "-" for c, x in zip(cu_vals, vals))
+               for vals in (s2_vals, dk_vals)]
+        print(f"| {section} | {s2_cell} | {dk_cell} | {ratio} | {cu_cell} | {eff[0]} | {eff[1]} |")
+
+
 def s2(pattern: S2Pattern):
     return lambda q, k, v: s2_attention(q, k, v, pattern, backend="triton")
 
@@ -144,7 +242,7 @@ def run_case(rows, section, impl, attention_factory, pattern, batch, heads, kv_h
             dense = flops(batch, heads, seqlen, head_dim, mode)
             effective = computed_flops(pattern, batch, heads, kv_heads, seqlen, head_dim, mode)
             row.update(ms=round(ms, 3), dense_tflops=round(dense / ms / 1e9, 1))
-            if impl.startswith(("s2", "flex")):
+            if impl.startswith(("s2", "flex", "dkernel")):
                 row["effective_tflops"] = round(effective / ms / 1e9, 1)
         except Exception as error:
             row["error"] = f"{type(error).__name__}: {error}"[:300]
@@ -163,6 +261,9 @@ def main():
     parser.add_argument("--flex-blocks", default=None, help="FlexAttention BLOCK_SIZEs, best is kept (128,64)")
     parser.add_argument("--sweep-seqlen", type=int, default=None, help="T of the sweeps (default 32768)")
     parser.add_argument("--budget-ms", type=float, default=None, help="timing budget per measurement")
+    parser.add_argument("--compare", choices=["dkernel"], default=None,
+                        help="only issue 9's shapes: s2 vs dkernel vs cuDNN, with ratios")
+    parser.add_argument("--only", default=None, help="with --compare: shapes whose name contains this")
     args = parser.parse_args()
     seqlens = [int(t) for t in (args.seqlens or ("131072" if args.quick else "8192,32768,131072")).split(",")]
     flex_blocks = [int(b) for b in (args.flex_blocks or ("128" if args.quick else "128,64")).split(",")]
@@ -172,6 +273,12 @@ def main():
     modes = ("fwd", "fwd+bwd")
     rows: list[dict] = []
     from torch.nn.attention import SDPBackend
+
+    if dkernel_available():
+        baselines.append("dkernel")
+    if args.compare:
+        sections = []
+        compare(rows, baselines, args.budget_ms or 300, args.only)
 
     if "headline" in sections:
         pattern = S2Pattern(block_size=HEADLINE["block_size"], local_blocks=HEADLINE["local_blocks"],
@@ -185,6 +292,8 @@ def main():
                 run_case(rows, "headline", "sdpa-flash2", lambda: sdpa(SDPBackend.FLASH_ATTENTION), *shape)
             if "cudnn" in baselines:
                 run_case(rows, "headline", "sdpa-cudnn", lambda: sdpa(SDPBackend.CUDNN_ATTENTION), *shape)
+            if "dkernel" in baselines and pattern.head_sliding_offset == 0:
+                run_case(rows, "headline", "dkernel", lambda t=seqlen: dkernel(pattern, heads, heads, t), *shape)
             if "flex" in baselines:
                 for flex_block in flex_blocks:
                     run_case(rows, "headline", f"flex-{flex_block}",
@@ -208,7 +317,8 @@ def main():
     gpu = torch.cuda.get_device_name().replace(" ", "-")
     out_dir = Path(__file__).resolve().parent / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{gpu}-{datetime.date.today().isoformat()}.json"
+    suffix = f"-compare-{args.compare}" if args.compare else ""
+    path = out_dir / f"{gpu}-{datetime.date.today().isoformat()}{suffix}.json"
     tuned = {" ".join(map(str, key)): {str(c): round(ms, 3) for c, ms in timings.items()}
              for key, timings in triton_impl.TUNING_TIMINGS.items()}
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
@@ -224,6 +334,9 @@ def main():
         print(f"| {r['section']} | {r['impl']} | {r['batch']}x{r['seqlen']} | {r['heads']}/{r['kv_heads']} | "
               f"{r['head_dim']} | {r['block_size']} | {r['mode']} | {ms} | {r.get('dense_tflops', '')} | "
               f"{r.get('effective_tflops', '')} | {r['density']} |")
+    if args.compare:
+        print()
+        print_comparison(rows)
 
 
 if __name__ == "__main__":
