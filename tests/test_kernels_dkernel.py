@@ -1,0 +1,89 @@
+"""``s2_attention`` against dkernel, the S2 authors' Triton library, as an independent oracle (GPU only).
+
+Both run the identical pattern (dkernel's ``LocalStrideSparseAttention`` equals ``S2Pattern`` with
+``head_sliding_offset=0`` and dkernel's stripe step; the block masks are compared first) on bf16 inputs; outputs and
+gradients of both are measured against the fp32 PyTorch path. Ours must be as exact as dkernel's (2x its relative
+error for outputs, 3x for gradients, plus the bf16 rounding floor) and the two must agree with each other.
+Skipped without CUDA or without dkernel (``pip install git+https://github.com/linxihui/dkernel``).
+"""
+
+import pytest
+import torch
+
+from s2_models.kernels import S2Pattern, s2_attention
+
+dkernel = pytest.importorskip("dkernel") if torch.cuda.is_available() else None
+pytestmark = pytest.mark.gpu
+
+BF16_FLOOR = 2e-3  # relative error of rounding a unit-scale result to bf16 (2^-9), rounded up
+
+
+@pytest.fixture(autouse=True)
+def no_autotuning(monkeypatch):
+    monkeypatch.setenv("S2_ATTENTION_AUTOTUNE", "0")
+
+
+def _relative_error(x: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((x.float() - reference).norm() / reference.norm()).item()
+
+
+def _pattern(block_size: int, local_blocks: int, vert_stride: int, q_heads: int) -> S2Pattern:
+    """Our pattern equal to dkernel's: offset 0, and dkernel's stripe step (counted in query heads)."""
+    return S2Pattern(block_size=block_size, local_blocks=local_blocks, vert_stride=vert_stride,
+                     head_sliding_offset=0, head_sliding_step=max(1, vert_stride // q_heads))
+
+
+CASES = [  # batch, q heads, kv heads, T, D, block_size, local_blocks, vert_stride
+    (2, 4, 4, 999, 64, 16, 4, 4),
+    (1, 8, 2, 1531, 128, 32, 3, 4),
+    (2, 4, 4, 2047, 128, 64, 2, 3),
+    (1, 4, 2, 1777, 64, 128, 1, 2),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-H{c[1]}/{c[2]}-T{c[3]}-D{c[4]}-bs{c[5]}")
+def test_matches_dkernel(case):
+    batch, q_heads, kv_heads, seqlen, head_dim, block_size, local_blocks, vert_stride = case
+    pattern = _pattern(block_size, local_blocks, vert_stride, q_heads)
+    theirs = dkernel.LocalStrideSparseAttention(
+        q_heads, seqlen, block_size, local_blocks, vert_stride, num_kv_heads=kv_heads if kv_heads != q_heads else None,
+        head_sliding_offset=0, seq_dim=2,
+    ).cuda()
+
+    # Identical patterns first: dkernel's block mask per query head vs ours expanded to query heads.
+    num_blocks = -(-seqlen // block_size)
+    from dkernel.utils import get_sparse_attn_mask
+
+    their_mask = get_sparse_attn_mask(
+        q_heads, seqlen, block_size=block_size, local_blocks=local_blocks, vert_stride=vert_stride,
+        num_kv_heads=kv_heads if kv_heads != q_heads else None, head_sliding_offset=0,
+    )[1][:, :num_blocks, :num_blocks].bool().cpu()
+    pattern_heads = pattern.num_pattern_heads(q_heads, kv_heads)
+    our_mask = pattern.block_mask(pattern_heads, num_blocks, num_blocks).repeat_interleave(q_heads // pattern_heads, 0)
+    assert torch.equal(our_mask.cpu(), their_mask), "block masks differ: the comparison would be meaningless"
+
+    gen = torch.Generator(device="cuda").manual_seed(seqlen)
+    q = torch.randn(batch, q_heads, seqlen, head_dim, device="cuda", generator=gen)
+    k, v = (torch.randn(batch, kv_heads, seqlen, head_dim, device="cuda", generator=gen) for _ in range(2))
+    grad_out = torch.randn(batch, q_heads, seqlen, head_dim, device="cuda", generator=gen)
+
+    def dkernel_attention(q, k, v):  # no native GQA: repeat K/V to the query heads (gradients sum back)
+        group = q.shape[1] // k.shape[1]
+        return theirs(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
+
+    def run(fn, dtype):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        grads = torch.autograd.grad(out, leaves, grad_out.to(dtype))
+        return [out.detach(), *grads]
+
+    reference = run(lambda *t: s2_attention(*t, pattern, backend="torch"), torch.float32)
+    ours = run(lambda *t: s2_attention(*t, pattern, backend="triton"), torch.bfloat16)
+    their = run(dkernel_attention, torch.bfloat16)
+    for name, mine, other, ref, factor in zip(("out", "dq", "dk", "dv"), ours, their, reference, (2, 3, 3, 3)):
+        our_error, their_error = _relative_error(mine, ref), _relative_error(other, ref)
+        assert their_error < 1e-2, f"{name}: dkernel itself is off the fp32 reference ({their_error:.2e})"
+        assert our_error <= factor * max(their_error, BF16_FLOOR), (
+            f"{name}: relative error {our_error:.2e} vs dkernel's {their_error:.2e}"
+        )
+        assert _relative_error(mine, other.float()) <= factor * 2 * max(their_error, BF16_FLOOR), name
