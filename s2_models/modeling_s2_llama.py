@@ -62,6 +62,23 @@ def s2_padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, ma
     return None if bool(attention_mask.all()) else attention_mask
 
 
+def attend_as_autocast_op(attend, query, key, value):
+    """``attend(query, key, value)`` as autocast runs SDPA, the reference: under ``torch.autocast`` the floating
+    inputs (float64 aside) are cast to the autocast dtype and the op runs with autocast off, in that dtype.
+
+    Fp32 weights under autocast hand on q and k in float32 (RoPE's cos/sin are float32) and v in the autocast dtype;
+    SDPA casts all three, so the S2 kernels must see the same dtypes to compute what the reference computes. Autocast
+    is off inside so that the PyTorch path keeps its float32 math (its matmuls would otherwise run in 16 bits).
+    """
+    device_type = query.device.type
+    if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+        return attend(query, key, value)
+    dtype = torch.get_autocast_dtype(device_type)
+    query, key, value = (x.to(dtype) if x.dtype != torch.float64 else x for x in (query, key, value))
+    with torch.autocast(device_type, enabled=False):
+        return attend(query, key, value)
+
+
 def s2_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -99,15 +116,18 @@ def s2_attention_forward(
     if packed:  # one row of all tokens: sequences never cross rows, so flattening keeps them intact
         query, key, value = (x.transpose(0, 1).flatten(1, 2).unsqueeze(0) for x in (query, key, value))
     varlen = {"cu_seqlens_q": cu_seq_lens_q, "cu_seqlens_k": cu_seq_lens_k} if packed else {}
-    if module.s2_pattern is None:
-        out = dense_attention(query, key, value, scaling, dropout, key_padding_mask=attention_mask, **varlen)
-    else:
-        if dropout:
-            raise ValueError(f"the S2 kernels have no attention dropout, got dropout={dropout}")
-        out = s2_attention(
+    if module.s2_pattern is not None and dropout:
+        raise ValueError(f"the S2 kernels have no attention dropout, got dropout={dropout}")
+
+    def attend(query, key, value):
+        if module.s2_pattern is None:
+            return dense_attention(query, key, value, scaling, dropout, key_padding_mask=attention_mask, **varlen)
+        return s2_attention(
             query, key, value, module.s2_pattern, scale=scaling, backend=module.config.s2_backend,
             attention_mask=attention_mask, max_seqlen_q=max_length_q, max_seqlen_k=max_length_k, **varlen
         )
+
+    out = attend_as_autocast_op(attend, query, key, value)
     if packed:
         out = out.squeeze(0).unflatten(1, (b, tq)).transpose(0, 1)
     return out.transpose(1, 2).contiguous(), None
@@ -221,10 +241,12 @@ class S2LlamaAttention(nn.Module):
         # ---- compact S2 cache (cache_s2_llama.py): keep only the blocks a future query reads, attend over them
         cache_layer = s2_cache_layer(past_key_values, self.layer_idx)
         if cache_layer is not None and self.config._attn_implementation == S2_IMPLEMENTATION:
-            attn_output = cache_layer.update_and_attend(
-                query_states, key_states, value_states, self.s2_pattern, scaling=self.scaling,
-                attention_mask=attention_mask, max_position_embeddings=self.config.max_position_embeddings,
-                backend=self.config.s2_backend,
+            attn_output = attend_as_autocast_op(
+                lambda query, key, value: cache_layer.update_and_attend(
+                    query, key, value, self.s2_pattern, scaling=self.scaling, attention_mask=attention_mask,
+                    max_position_embeddings=self.config.max_position_embeddings, backend=self.config.s2_backend,
+                ),
+                query_states, key_states, value_states,
             )
             return self.o_proj(attn_output.transpose(1, 2).reshape(*input_shape, -1)), None
         # ---- end of the compact S2 cache branch
