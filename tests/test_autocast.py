@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from test_modeling import PATTERN, tiny_config, tokens
+from test_modeling import tiny_config, tokens
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import s2_models.modeling_s2_llama as modeling
@@ -56,7 +56,7 @@ def loss_and_gradients(**inputs):
         model.zero_grad(set_to_none=True)
         loss = model(**inputs, use_cache=False).loss
         loss.backward()
-        return torch.cat([loss.detach().float().view(1).to(loss.dtype)] + [
+        return torch.cat([loss.detach().view(1)] + [
             p.grad.flatten() for p in model.parameters() if p.grad is not None
         ])
 
