@@ -228,6 +228,15 @@ class S2LlamaAttention(nn.Module):
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        implementation = self.config._attn_implementation
+        if implementation != "eager" and kwargs.get("output_attentions", self.config.output_attentions):
+            # transformers' SDPA warns and returns an empty tuple here; a silent empty answer is worse than an error.
+            raise ValueError(
+                f"output_attentions=True needs attention weights, which attn_implementation={implementation!r} never "
+                'materializes; use attn_implementation="eager" (from_pretrained(..., attn_implementation="eager") or '
+                'model.set_attn_implementation("eager")): it applies the same sparse patterns and returns the weights '
+                "[B, num_heads, Tq, Tk], zero outside each head's pattern"
+            )
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
@@ -240,7 +249,7 @@ class S2LlamaAttention(nn.Module):
 
         # ---- compact S2 cache (cache_s2_llama.py): keep only the blocks a future query reads, attend over them
         cache_layer = s2_cache_layer(past_key_values, self.layer_idx)
-        if cache_layer is not None and self.config._attn_implementation == S2_IMPLEMENTATION:
+        if cache_layer is not None and implementation == S2_IMPLEMENTATION:
             attn_output = attend_as_autocast_op(
                 lambda query, key, value: cache_layer.update_and_attend(
                     query, key, value, self.s2_pattern, scaling=self.scaling, attention_mask=attention_mask,
@@ -255,7 +264,7 @@ class S2LlamaAttention(nn.Module):
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
 
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
+            implementation, eager_attention_forward
         )
         attn_output, attn_weights = attention_interface(
             self,
