@@ -20,7 +20,12 @@ from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface, GenerationMixin
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_layers import (
+    GenericForQuestionAnswering,
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+    GradientCheckpointingLayer,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.llama.modeling_llama import (
@@ -597,4 +602,47 @@ class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
         return S2StaticCache(self.config.get_text_config(decoder=True), max_cache_len=max_cache_len)
 
 
-__all__ = ["S2LlamaForCausalLM", "S2LlamaModel", "S2LlamaPreTrainedModel"]
+# ---------------------------------------------------------------------------------------------- task heads
+# Llama's heads: transformers' generic ones (pooling, losses, outputs: the same forward in transformers 5.17 and 5.23).
+# Their __init__ is replaced only to build the body as S2LlamaModel(config): the generic one goes through
+# AutoModel.from_config, which in a remote-code checkpoint (loaded without this package) never finds the body as local
+# code (transformers loads the config and the modeling file with separate copies of the config class) and asks for
+# trust_remote_code again. The head layers are the generic ones'.
+class S2LlamaForSequenceClassification(GenericForSequenceClassification, S2LlamaPreTrainedModel):
+    def __init__(self, config: S2LlamaConfig):
+        S2LlamaPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = S2LlamaModel(config)
+        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
+        self.post_init()
+
+
+class S2LlamaForTokenClassification(GenericForTokenClassification, S2LlamaPreTrainedModel):
+    def __init__(self, config: S2LlamaConfig):
+        S2LlamaPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = S2LlamaModel(config)
+        dropout = getattr(config, "classifier_dropout", None)
+        dropout = getattr(config, "hidden_dropout", None) if dropout is None else dropout
+        self.dropout = nn.Dropout(0.1 if dropout is None else dropout)
+        self.score = nn.Linear(config.hidden_size, config.num_labels,
+                               bias=getattr(config, "token_classification_bias", True))
+        self.post_init()
+
+
+class S2LlamaForQuestionAnswering(GenericForQuestionAnswering, S2LlamaPreTrainedModel):
+    def __init__(self, config: S2LlamaConfig):
+        S2LlamaPreTrainedModel.__init__(self, config)
+        self.model = S2LlamaModel(config)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+
+__all__ = [
+    "S2LlamaForCausalLM",
+    "S2LlamaForQuestionAnswering",
+    "S2LlamaForSequenceClassification",
+    "S2LlamaForTokenClassification",
+    "S2LlamaModel",
+    "S2LlamaPreTrainedModel",
+]
