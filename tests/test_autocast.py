@@ -20,30 +20,30 @@ from s2_models.static_cache_s2_llama import S2StaticCache
 DTYPES = [torch.bfloat16, torch.float16]
 
 
-def models(sparsity=None, s2_backend="auto"):
+def models(sparsity=None, s2_backend="auto", device="cpu"):
     """``{"s2": ..., "sdpa": ...}`` float32 models with the same weights, and the float64 truth (SDPA, which keeps
     fully masked padding rows finite; eager's additive masks overflow to -inf there in float64, and NaN gradients)."""
     torch.manual_seed(0)
-    s2 = S2LlamaForCausalLM(tiny_config(sparsity, s2_backend=s2_backend)).eval()
+    s2 = S2LlamaForCausalLM(tiny_config(sparsity, s2_backend=s2_backend)).to(device).eval()
     reference = copy.deepcopy(s2)
     reference.set_attn_implementation("sdpa")
     truth = copy.deepcopy(reference).double()
     return {"s2": s2, "sdpa": reference}, truth
 
 
-def autocast(dtype):
-    return torch.autocast("cpu", dtype=dtype)
+def autocast(dtype, device="cpu"):
+    return torch.autocast(device, dtype=dtype)
 
 
-def assert_within_reference_error(run, dtype, sparsity=None, factor=2.0, s2_backend="auto"):
+def assert_within_reference_error(run, dtype, sparsity=None, factor=2.0, s2_backend="auto", device="cpu"):
     """``run(model) -> tensor`` under autocast for "s2" and "sdpa", and in float64 for the truth: the "s2" error is
     at most ``factor`` times the reference's (both are dominated by the same 16-bit matmuls; a wrong attention,
     e.g. 16-bit internals of the PyTorch path, or a failure, breaks it)."""
-    candidates, truth = models(sparsity, s2_backend)
+    candidates, truth = models(sparsity, s2_backend, device)
     expected = run(truth).double()
     errors = {}
     for name, model in candidates.items():
-        with autocast(dtype):
+        with autocast(dtype, device):
             result = run(model)
         assert torch.isfinite(result).all(), name
         errors[name] = (result.double() - expected).abs().max().item()
@@ -131,7 +131,22 @@ def test_kernels_see_the_dtypes_sdpa_sees(dtype, monkeypatch):
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_cached_decoding_matches_the_reference(dtype, cache):
     """Prompt, then token-by-token decoding over the compact cache (dynamic or static), left-padded batch."""
-    ids = tokens(2, 58)
+    assert_decoding_within_reference_error(dtype, cache, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_bf16_autocast_on_gpu_matches_the_reference(cache):
+    """The Triton kernels under bf16 autocast (the interpreter cannot check bf16): a training step, and decoding
+    (with the static cache, its decode steps replay CUDA graphs captured under autocast)."""
+    ids = tokens(2, 75).cuda()
+    assert_within_reference_error(loss_and_gradients(input_ids=ids, labels=ids), torch.bfloat16, factor=3.0,
+                                  device="cuda")
+    assert_decoding_within_reference_error(torch.bfloat16, cache, "cuda")
+
+
+def assert_decoding_within_reference_error(dtype, cache, device):
+    ids = tokens(2, 58).to(device)
     mask = torch.ones_like(ids)
     mask[1, :19] = 0
     prompt = 50
@@ -149,7 +164,7 @@ def test_cached_decoding_matches_the_reference(dtype, cache):
             assert isinstance(past, S2StaticCache)
         return torch.cat(steps, dim=1)[mask.bool()]
 
-    assert_within_reference_error(run, dtype)
+    assert_within_reference_error(run, dtype, device=device)
 
 
 @pytest.mark.parametrize("cache_implementation", [None, "static"])
