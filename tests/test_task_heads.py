@@ -171,3 +171,17 @@ def test_remote_code_loads_every_head_without_the_package(tmp_path):
     for path, logits in expected.items():
         for a, e in zip(torch.load(path / "remote.pt"), logits, strict=True):
             assert torch.equal(a, e), path.name
+
+
+def test_a_llama_checkpoint_converts_into_an_s2_classifier(tmp_path):
+    """The fine-tuning start users expect: a dense Llama checkpoint loaded into an S2 head (new head layer)."""
+    torch.manual_seed(0)
+    config = tiny_config("dense", pad_token_id=0)
+    llama = LlamaForSequenceClassification(LlamaConfig(**{k: getattr(config, k) for k in LLAMA_FIELDS}))
+    llama.save_pretrained(tmp_path)
+    s2 = S2LlamaForSequenceClassification.from_pretrained(tmp_path, sparsity="dense").eval()
+    ids = tokens(2, 30)
+    with torch.no_grad():
+        torch.testing.assert_close(s2.model(input_ids=ids).last_hidden_state,
+                                   llama.eval().model(input_ids=ids).last_hidden_state)
+        torch.testing.assert_close(s2(input_ids=ids).logits, llama(input_ids=ids).logits)
