@@ -20,7 +20,12 @@ from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface, GenerationMixin
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_layers import (
+    GenericForQuestionAnswering,
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+    GradientCheckpointingLayer,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.llama.modeling_llama import (
@@ -62,6 +67,23 @@ def s2_padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, ma
     return None if bool(attention_mask.all()) else attention_mask
 
 
+def attend_as_autocast_op(attend, query, key, value):
+    """``attend(query, key, value)`` as autocast runs SDPA, the reference: under ``torch.autocast`` the floating
+    inputs (float64 aside) are cast to the autocast dtype and the op runs with autocast off, in that dtype.
+
+    Fp32 weights under autocast hand on q and k in float32 (RoPE's cos/sin are float32) and v in the autocast dtype;
+    SDPA casts all three, so the S2 kernels must see the same dtypes to compute what the reference computes. Autocast
+    is off inside so that the PyTorch path keeps its float32 math (its matmuls would otherwise run in 16 bits).
+    """
+    device_type = query.device.type
+    if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+        return attend(query, key, value)
+    dtype = torch.get_autocast_dtype(device_type)
+    query, key, value = (x.to(dtype) if x.dtype != torch.float64 else x for x in (query, key, value))
+    with torch.autocast(device_type, enabled=False):
+        return attend(query, key, value)
+
+
 def s2_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -99,15 +121,18 @@ def s2_attention_forward(
     if packed:  # one row of all tokens: sequences never cross rows, so flattening keeps them intact
         query, key, value = (x.transpose(0, 1).flatten(1, 2).unsqueeze(0) for x in (query, key, value))
     varlen = {"cu_seqlens_q": cu_seq_lens_q, "cu_seqlens_k": cu_seq_lens_k} if packed else {}
-    if module.s2_pattern is None:
-        out = dense_attention(query, key, value, scaling, dropout, key_padding_mask=attention_mask, **varlen)
-    else:
-        if dropout:
-            raise ValueError(f"the S2 kernels have no attention dropout, got dropout={dropout}")
-        out = s2_attention(
+    if module.s2_pattern is not None and dropout:
+        raise ValueError(f"the S2 kernels have no attention dropout, got dropout={dropout}")
+
+    def attend(query, key, value):
+        if module.s2_pattern is None:
+            return dense_attention(query, key, value, scaling, dropout, key_padding_mask=attention_mask, **varlen)
+        return s2_attention(
             query, key, value, module.s2_pattern, scale=scaling, backend=module.config.s2_backend,
             attention_mask=attention_mask, max_seqlen_q=max_length_q, max_seqlen_k=max_length_k, **varlen
         )
+
+    out = attend_as_autocast_op(attend, query, key, value)
     if packed:
         out = out.squeeze(0).unflatten(1, (b, tq)).transpose(0, 1)
     return out.transpose(1, 2).contiguous(), None
@@ -208,6 +233,15 @@ class S2LlamaAttention(nn.Module):
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        implementation = self.config._attn_implementation
+        if implementation != "eager" and kwargs.get("output_attentions", self.config.output_attentions):
+            # transformers' SDPA warns and returns an empty tuple here; a silent empty answer is worse than an error.
+            raise ValueError(
+                f"output_attentions=True needs attention weights, which attn_implementation={implementation!r} never "
+                'materializes; use attn_implementation="eager" (from_pretrained(..., attn_implementation="eager") or '
+                'model.set_attn_implementation("eager")): it applies the same sparse patterns and returns the weights '
+                "[B, num_heads, Tq, Tk], zero outside each head's pattern"
+            )
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
@@ -220,11 +254,13 @@ class S2LlamaAttention(nn.Module):
 
         # ---- compact S2 cache (cache_s2_llama.py): keep only the blocks a future query reads, attend over them
         cache_layer = s2_cache_layer(past_key_values, self.layer_idx)
-        if cache_layer is not None and self.config._attn_implementation == S2_IMPLEMENTATION:
-            attn_output = cache_layer.update_and_attend(
-                query_states, key_states, value_states, self.s2_pattern, scaling=self.scaling,
-                attention_mask=attention_mask, max_position_embeddings=self.config.max_position_embeddings,
-                backend=self.config.s2_backend,
+        if cache_layer is not None and implementation == S2_IMPLEMENTATION:
+            attn_output = attend_as_autocast_op(
+                lambda query, key, value: cache_layer.update_and_attend(
+                    query, key, value, self.s2_pattern, scaling=self.scaling, attention_mask=attention_mask,
+                    max_position_embeddings=self.config.max_position_embeddings, backend=self.config.s2_backend,
+                ),
+                query_states, key_states, value_states,
             )
             return self.o_proj(attn_output.transpose(1, 2).reshape(*input_shape, -1)), None
         # ---- end of the compact S2 cache branch
@@ -233,7 +269,7 @@ class S2LlamaAttention(nn.Module):
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
 
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
+            implementation, eager_attention_forward
         )
         attn_output, attn_weights = attention_interface(
             self,
@@ -566,4 +602,47 @@ class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
         return S2StaticCache(self.config.get_text_config(decoder=True), max_cache_len=max_cache_len)
 
 
-__all__ = ["S2LlamaForCausalLM", "S2LlamaModel", "S2LlamaPreTrainedModel"]
+# ---------------------------------------------------------------------------------------------- task heads
+# Llama's heads: transformers' generic ones (pooling, losses, outputs: the same forward in transformers 5.17 and 5.23).
+# Their __init__ is replaced only to build the body as S2LlamaModel(config): the generic one goes through
+# AutoModel.from_config, which in a remote-code checkpoint (loaded without this package) never finds the body as local
+# code (transformers loads the config and the modeling file with separate copies of the config class) and asks for
+# trust_remote_code again. The head layers are the generic ones'.
+class S2LlamaForSequenceClassification(GenericForSequenceClassification, S2LlamaPreTrainedModel):
+    def __init__(self, config: S2LlamaConfig):
+        S2LlamaPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = S2LlamaModel(config)
+        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
+        self.post_init()
+
+
+class S2LlamaForTokenClassification(GenericForTokenClassification, S2LlamaPreTrainedModel):
+    def __init__(self, config: S2LlamaConfig):
+        S2LlamaPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = S2LlamaModel(config)
+        dropout = getattr(config, "classifier_dropout", None)
+        dropout = getattr(config, "hidden_dropout", None) if dropout is None else dropout
+        self.dropout = nn.Dropout(0.1 if dropout is None else dropout)
+        self.score = nn.Linear(config.hidden_size, config.num_labels,
+                               bias=getattr(config, "token_classification_bias", True))
+        self.post_init()
+
+
+class S2LlamaForQuestionAnswering(GenericForQuestionAnswering, S2LlamaPreTrainedModel):
+    def __init__(self, config: S2LlamaConfig):
+        S2LlamaPreTrainedModel.__init__(self, config)
+        self.model = S2LlamaModel(config)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+
+__all__ = [
+    "S2LlamaForCausalLM",
+    "S2LlamaForQuestionAnswering",
+    "S2LlamaForSequenceClassification",
+    "S2LlamaForTokenClassification",
+    "S2LlamaModel",
+    "S2LlamaPreTrainedModel",
+]

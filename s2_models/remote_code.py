@@ -24,6 +24,9 @@ AUTO_MAP = {
     "AutoConfig": "configuration_s2_llama.S2LlamaConfig",
     "AutoModel": "modeling_s2_llama.S2LlamaModel",
     "AutoModelForCausalLM": "modeling_s2_llama.S2LlamaForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_s2_llama.S2LlamaForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_s2_llama.S2LlamaForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_s2_llama.S2LlamaForQuestionAnswering",
 }
 _ENTRY_FILES = ("configuration_s2_llama.py", "modeling_s2_llama.py")
 _KERNELS_IMPORT = re.compile(r"^(\s*from\s+)\.kernels\.(\w+)(\s+import)", re.MULTILINE)

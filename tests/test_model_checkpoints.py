@@ -88,6 +88,9 @@ def test_remote_code_files_are_flat_and_self_contained(saved):
         "AutoConfig": "configuration_s2_llama.S2LlamaConfig",
         "AutoModel": "modeling_s2_llama.S2LlamaModel",
         "AutoModelForCausalLM": "modeling_s2_llama.S2LlamaForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_s2_llama.S2LlamaForSequenceClassification",
+        "AutoModelForTokenClassification": "modeling_s2_llama.S2LlamaForTokenClassification",
+        "AutoModelForQuestionAnswering": "modeling_s2_llama.S2LlamaForQuestionAnswering",
     }
     for name in ("configuration_s2_llama.py", "modeling_s2_llama.py", "remote_code.py", "interface.py",
                  "pattern.py", "torch_impl.py", "cache_s2_llama.py", "static_cache_s2_llama.py", "decode.py"):
@@ -96,8 +99,8 @@ def test_remote_code_files_are_flat_and_self_contained(saved):
         assert set(package_imports) <= {"s2_models.model_card", "s2_models.hub"}, name  # guarded imports
 
 
-# Runs in a fresh interpreter from a temporary working directory, with this package's editable finder removed.
-REMOTE_LOAD = textwrap.dedent(
+# Scripts run in a fresh interpreter from a temporary working directory, with this package's editable finder removed.
+WITHOUT_PACKAGE = textwrap.dedent(
     """
     import sys
     sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]
@@ -108,6 +111,10 @@ REMOTE_LOAD = textwrap.dedent(
         pass
     else:
         raise SystemExit("s2_models is importable: the test would not prove anything")
+    """
+)
+REMOTE_LOAD = textwrap.dedent(
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -126,13 +133,13 @@ REMOTE_LOAD = textwrap.dedent(
 )
 
 
-def run_without_package(tmp_path, *args):
+def run_without_package(tmp_path, *args, script=REMOTE_LOAD):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = tmp_path / "remote_load.py"
-    script.write_text(REMOTE_LOAD.format(repo=repo))
+    script_path = tmp_path / "remote_load.py"
+    script_path.write_text(WITHOUT_PACKAGE.format(repo=repo) + textwrap.dedent(script))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and repo not in p)
-    result = subprocess.run([sys.executable, str(script), *map(str, args)], cwd=tmp_path, env=env,
+    result = subprocess.run([sys.executable, str(script_path), *map(str, args)], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
 
