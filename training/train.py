@@ -339,6 +339,8 @@ def main(argv=None):
     if do_train and data_args.streaming and training_args.max_steps <= 0:
         raise ValueError("--streaming needs --max_steps (a stream has no length to count epochs by)")
 
+    if training_args.ddp_find_unused_parameters is None:
+        training_args.ddp_find_unused_parameters = False  # every parameter gets a gradient; spare DDP the search
     set_seed(training_args.seed)  # before the model is initialized, so that a run is reproducible (as run_clm)
     tokenizer = load_tokenizer(model_args)
     config = build_config(model_args, len(tokenizer))
