@@ -145,6 +145,11 @@ def load_text_splits(
         validation = None
     if not streaming and len(train) == 0:
         raise ValueError(f"{source['train']} holds no rows of text")
+    if not streaming and validation is not None and len(validation) == 0:
+        where = source.get("validation") or (
+            f"--validation_split_percentage {validation_split_percentage} of {source['train']} ({len(train)} rows)"
+        )
+        raise ValueError(f"{where} holds no rows of text (pass --validation_split_percentage 0 to skip evaluation)")
     return train, validation
 
 

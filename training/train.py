@@ -359,8 +359,10 @@ def main(argv=None):
             allow_download=model_args.allow_download,
         )
         workers = data_args.preprocessing_num_workers
-        train = tokenize_documents(train_text, tokenizer, block_size, workers) if do_train else None
-        held_out = tokenize_documents(validation_text, tokenizer, block_size, workers) if validation_text else None
+        train, held_out = (
+            None if text is None else tokenize_documents(text, tokenizer, block_size, workers)
+            for text in (train_text if do_train else None, validation_text)
+        )
     if do_eval and held_out is None and not do_train:
         raise ValueError("--do_eval needs validation data: --validation_file, a dataset with a 'validation' split, "
                          "or --validation_split_percentage > 0")
