@@ -42,9 +42,10 @@ class S2StaticLayer(S2CacheLayer):
 
     _layer_type = None  # built by S2StaticCache, not through transformers' layer-type mappings
     is_compileable = False  # graph capture is S2StaticCache's own; transformers must not torch.compile around it
+    is_croppable = False  # one token per step: assisted generation (which crops) needs the dynamic cache
 
     def __init__(self, pattern: S2Pattern | None, max_cache_len: int):
-        super().__init__()
+        super().__init__(rollback_tokens=0)
         self.model_pattern = pattern  # the layer's pattern; None for a dense layer
         self.max_cache_len = max_cache_len
 
@@ -75,6 +76,16 @@ class S2StaticLayer(S2CacheLayer):
             )
         return super().update_and_attend(query, key, value, pattern or DENSE_LAYER_PATTERN, **kwargs)
 
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            raise ValueError(
+                "a static S2 cache cannot be cropped (it takes one token per step after the prompt): assisted and "
+                "prompt-lookup generation need the default dynamic cache"
+            )
+
+    def _remember_real(self, new_real, batch, tq) -> None:
+        """Nothing to remember: the layer cannot be cropped (and a replayed graph would not run this)."""
+
     def check_room(self, num_new_tokens: int) -> None:
         """A ``ValueError`` unless ``num_new_tokens`` more tokens fit."""
         if self.num_seen + num_new_tokens > self.max_cache_len:
@@ -93,7 +104,7 @@ class S2StaticLayer(S2CacheLayer):
             return dense_attention(query, key, value, scaling, key_padding_mask=attention_mask)
         return super()._attend_prompt(query, key, value, pattern, scaling, attention_mask, backend)
 
-    def _attend_new_tokens(self, query, key, value, num_seen, scaling, attention_mask, backend):
+    def _attend_new_tokens(self, query, key, value, num_seen, scaling, new_real, backend):
         tq = query.shape[2]
         if tq != 1:
             raise ValueError(
@@ -128,8 +139,9 @@ class S2StaticCache(Cache):
 
     Args:
         config: the model's ``S2LlamaConfig`` (its ``sparsity`` decides each layer's layout).
-        max_cache_len: tokens per row the cache can hold, prompt included; at most
-            ``config.max_position_embeddings``.
+        max_cache_len: tokens per row the cache can hold, prompt included (``generate`` passes its
+            ``max_length``); any length the model's positions accept, beyond ``max_position_embeddings`` too
+            (rope scaling). The memory is allocated by the prompt's forward.
         cuda_graphs: replay decode steps on CUDA as CUDA graphs (default ``True``).
     """
 
@@ -137,11 +149,8 @@ class S2StaticCache(Cache):
         sparsity = getattr(config, "sparsity", None)
         if not isinstance(sparsity, list | tuple):
             raise ValueError(f"config must be an S2LlamaConfig (per-layer sparsity), got {type(config).__name__}")
-        limit = config.max_position_embeddings
-        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or not 1 <= max_cache_len <= limit:
-            raise ValueError(
-                f"max_cache_len must be an integer in [1, max_position_embeddings={limit}], got {max_cache_len!r}"
-            )
+        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be an integer >= 1, got {max_cache_len!r}")
         if not isinstance(cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
         patterns = [None if spec == DENSE else S2Pattern.from_dict(spec) for spec in sparsity]
