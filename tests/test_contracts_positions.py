@@ -53,8 +53,8 @@ def same_weights(model, attn_implementation):
 
 
 def llama_of(model):
-    fields = {k: v for k, v in model.config.to_dict().items()
-              if k not in ("sparsity", "layer_types", "s2_backend", "s2_rollback_tokens", "model_type", "architectures")}
+    s2_only = ("sparsity", "layer_types", "s2_backend", "s2_rollback_tokens", "model_type", "architectures")
+    fields = {k: v for k, v in model.config.to_dict().items() if k not in s2_only}
     llama = LlamaForCausalLM(LlamaConfig(**fields)).eval()
     llama.load_state_dict(model.state_dict())
     return llama
