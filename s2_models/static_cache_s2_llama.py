@@ -34,6 +34,9 @@ from .kernels.pattern import S2Pattern
 
 # Every block is vertical (one residue, stride 1) and nothing is local: all blocks kept, in position order.
 DENSE_LAYER_PATTERN = S2Pattern(block_size=128, local_blocks=1, vert_stride=1)
+# Rope types whose frequencies transformers recomputes on the host from the length seen: a replayed graph would keep
+# the captured ones (and capture cannot read the length), so their decode steps run eagerly.
+LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
 
 
 class S2StaticLayer(S2CacheLayer):
@@ -142,7 +145,8 @@ class S2StaticCache(Cache):
         max_cache_len: tokens per row the cache can hold, prompt included (``generate`` passes its
             ``max_length``); any length the model's positions accept, beyond ``max_position_embeddings`` too
             (rope scaling). The memory is allocated by the prompt's forward.
-        cuda_graphs: replay decode steps on CUDA as CUDA graphs (default ``True``).
+        cuda_graphs: replay decode steps on CUDA as CUDA graphs (default ``True``; always off for the rope types
+            in ``LENGTH_DEPENDENT_ROPE_TYPES``).
     """
 
     def __init__(self, config, max_cache_len: int, cuda_graphs: bool = True):
@@ -155,7 +159,8 @@ class S2StaticCache(Cache):
             raise ValueError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
         patterns = [None if spec == DENSE else S2Pattern.from_dict(spec) for spec in sparsity]
         super().__init__(layers=[S2StaticLayer(pattern, max_cache_len) for pattern in patterns])
-        self.cuda_graphs = cuda_graphs
+        rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+        self.cuda_graphs = cuda_graphs and rope_type not in LENGTH_DEPENDENT_ROPE_TYPES
         self._graphs: dict[tuple, _CapturedStep] = {}
         self._warmed_up: set[tuple] = set()
         self._pool = None
@@ -221,4 +226,4 @@ class _CapturedStep:
         return self.logits.clone()
 
 
-__all__ = ["DENSE_LAYER_PATTERN", "S2StaticCache", "S2StaticLayer"]
+__all__ = ["DENSE_LAYER_PATTERN", "LENGTH_DEPENDENT_ROPE_TYPES", "S2StaticCache", "S2StaticLayer"]

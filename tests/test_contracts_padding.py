@@ -155,3 +155,29 @@ def test_generate_with_a_hole_equals_the_prompt_without_it():
     assert torch.equal(batched[1:], model.generate(ids[1:], max_new_tokens=20, **GREEDY))
     reference = as_implementation(model, "sdpa").generate(ids, attention_mask=mask, max_new_tokens=20, **GREEDY)
     assert torch.equal(reference, batched)
+
+
+@pytest.mark.gpu
+def test_holes_and_right_padding_on_gpu():
+    """Triton prefill, append and decode kernels (fp32) with holes and right padding: cached chunks and padding
+    decode steps equal one forward, and a batch with a hole and a right-padded row generates as the rows alone."""
+    model = model_of().cuda()
+    ids, mask = holey_batch()
+    ids, mask = ids.cuda(), mask.cuda()
+    mask[:, 50] = 0
+    mask[1, 60:] = 1
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, position_ids=positions(mask)).logits
+        out = model(ids[:, :45], attention_mask=mask[:, :45], position_ids=positions(mask)[:, :45])
+        pieces = [out.logits]
+        for start, end in [(45, 55), *((t, t + 1) for t in range(55, 66))]:
+            pieces.append(model(ids[:, start:end], attention_mask=mask[:, :end],
+                                position_ids=positions(mask)[:, start:end], past_key_values=out.past_key_values).logits)
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(pieces, 1)[real], full[real], atol=2e-4, rtol=1e-4)
+
+    prompts, prompt_mask = holey_batch()  # row 0 has holes, row 1 left and right padding and a hole
+    generated = model.generate(prompts.cuda(), attention_mask=prompt_mask.cuda(), max_new_tokens=24, **GREEDY)
+    hole_row = prompt_mask[0].bool()
+    alone = model.generate(prompts[:1, hole_row].cuda(), max_new_tokens=24, **GREEDY)
+    assert torch.equal(generated[0, 66:], alone[0, int(hole_row.sum()):])

@@ -125,3 +125,18 @@ def test_static_cache_takes_any_max_cache_len_and_refuses_overflow():
         with pytest.raises(ValueError, match="max_cache_len=128"):
             for t in range(MAX_POSITIONS + 1):
                 model(ids[:, t : t + 1], past_key_values=cache)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rope", ["linear", "dynamic"])
+def test_static_cache_with_cuda_graphs_past_max_positions_on_gpu(rope):
+    """On CUDA, fp32: the static cache past max_position_embeddings (decode steps replayed as CUDA graphs; eager for
+    `dynamic`, whose frequencies change with the length) gives the dynamic cache's tokens and logits."""
+    sparse = s2_model(rope)
+    ids = torch.randint(1, 100, (2, 40), device="cuda")
+    kwargs = dict(max_new_tokens=40, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    dynamic = same_weights(sparse, "s2").cuda().generate(ids, **kwargs)
+    static = same_weights(sparse, "s2").cuda().generate(ids, cache_implementation="static", **kwargs)
+    assert static.past_key_values.cuda_graphs == (rope == "linear")
+    assert torch.equal(static.sequences, dynamic.sequences)
+    torch.testing.assert_close(torch.stack(static.logits), torch.stack(dynamic.logits), atol=2e-4, rtol=1e-4)
