@@ -32,7 +32,7 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
 )
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
@@ -424,19 +424,14 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
 
         if use_cache and past_key_values is None and cu_seqlens is None:
             past_key_values = DynamicCache(config=self.config)
-        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
-            expected = (inputs_embeds.shape[0], past_seen + inputs_embeds.shape[1])
-            if tuple(attention_mask.shape) != expected:
-                raise ValueError(
-                    f"attention_mask must be the [batch, past + seq_len] padding mask = {list(expected)} (past = "
-                    f"{past_seen} cached tokens), got {list(attention_mask.shape)}"
-                )
-        if past_key_values is not None:
-            set_default_rollback(past_key_values, self.config.s2_rollback_tokens)
+        if not is_torchdynamo_compiling():  # host-side checks and cache set-up (none of it is device work)
+            self._check_padding_mask(attention_mask, inputs_embeds, past_key_values)
+            if past_key_values is not None:
+                set_default_rollback(past_key_values, self.config.s2_rollback_tokens)
 
         if position_ids is None:
-            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen
+            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
         masks = self._attention_masks(inputs_embeds, attention_mask, past_key_values, position_ids, cu_seqlens)
@@ -460,6 +455,19 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
             last_hidden_state=hidden_states,
             past_key_values=past_key_values,
         )
+
+    @staticmethod
+    def _check_padding_mask(attention_mask, inputs_embeds, past_key_values) -> None:
+        """A ``[B, T]`` padding mask must cover the cached tokens and the new ones (Llama would fail deep inside)."""
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+            return
+        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        expected = (inputs_embeds.shape[0], past_seen + inputs_embeds.shape[1])
+        if tuple(attention_mask.shape) != expected:
+            raise ValueError(
+                f"attention_mask must be the [batch, past + seq_len] padding mask = {list(expected)} (past = "
+                f"{past_seen} cached tokens), got {list(attention_mask.shape)}"
+            )
 
     def _attention_masks(self, inputs_embeds, attention_mask, past_key_values, position_ids, cu_seqlens) -> dict:
         """The mask of every layer, keyed ``"full_attention"`` for dense layers and by ``S2Pattern`` for sparse ones."""
