@@ -89,6 +89,7 @@ def memory(sparse, length):
         "s2_model_cache_bytes": sizes["dense"] + sizes["s2"],
         "sparse_layers_bytes": sizes["s2"],
         "sparse_layers_fraction_of_dense": sizes["s2"] / (per_layer_dense * num_sparse),
+        "sparse_layers_rollback_bytes": sizes["s2_rollback"],  # part of sparse_layers_bytes: room for crop
         "theoretical_kept_fraction": kept_blocks / blocks,
         "whole_model_ratio": (sizes["dense"] + sizes["s2"]) / (per_layer_dense * SHAPES["num_hidden_layers"]),
     }

@@ -63,8 +63,9 @@ def s2_attention(
             blocks of ``block_size`` tokens; ``P`` divides ``Hq``; ``M, N >= cdiv(Tk, block_size)``.
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: packed variable-length batch as in flash-attn's
             varlen API, with ``B == 1``: q ``[1, Hq, total_q, D]``. The pattern restarts at each sequence's start.
-        attention_mask: ``[B, Tk]`` key padding mask (1/True = real token), left or right padded; the pattern is
-            anchored at each sequence's first real token. Rows of padded queries return 0 (and lse ``-inf``).
+        attention_mask: ``[B, Tk]`` key padding mask (1/True = real token), padding anywhere (left, right, holes);
+            a row's real tokens are one sequence: positions count real tokens only, the pattern is anchored at the
+            first. Rows of padded queries return 0 (and lse ``-inf``).
 
     Returns:
         ``out [B, Hq, Tq, D]``, or ``(out, lse)`` with ``return_lse=True``.
@@ -289,23 +290,19 @@ def _select_backend(backend: str, q: torch.Tensor):
 
 # ---------------------------------------------------------------------------------------------- padding
 def padding_to_varlen(attention_mask: torch.Tensor, q_len: int):
-    """Turn a ``[B, Tk]`` left- or right-padding mask into packing indices.
+    """Turn a ``[B, Tk]`` padding mask (padding anywhere: left, right, holes) into packing indices.
 
     Returns ``(q_index, k_index, varlen)``: flat indices into ``[B * Tq]`` / ``[B * Tk]`` of the real query and key
     rows, and the ``Varlen`` of the packed batch. Query ``t`` of row ``b`` is the token at index ``Tk - Tq + t``;
-    it is real iff that key is. Raises ``ValueError`` for masks whose real tokens are not one contiguous run.
+    it is real iff that key is. A row's real tokens form one packed sequence, so a token's position is the number of
+    real tokens before it (padding in a hole is skipped, as if it were not there).
     """
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
         got = getattr(attention_mask, "shape", attention_mask)
         raise ValueError(f"attention_mask must be a [B, Tk] tensor, got {got!r}")
     real = attention_mask.bool()
-    b, tk = real.shape
+    tk = real.shape[1]
     counts = real.sum(-1)
-    first = torch.where(counts > 0, real.int().argmax(-1), torch.zeros_like(counts))
-    pos = torch.arange(tk, device=real.device)
-    contiguous = (pos >= first[:, None]) & (pos < (first + counts)[:, None])
-    if not torch.equal(contiguous, real):
-        raise ValueError("attention_mask must hold one contiguous run of real tokens per row (left or right padding)")
     real_q = real[:, tk - q_len :]
     k_index = real.flatten().nonzero().squeeze(-1)
     q_index = real_q.flatten().nonzero().squeeze(-1)

@@ -13,9 +13,17 @@ only during that layer's step. Later calls (decode, ``Tq >= 1``, or chunked pref
 tokens into the compact storage and run ``s2_decode_attention`` over it.
 
 Padding: ``attention_mask`` is the 2-D ``[B, past + Tq]`` key padding mask (1 = real token) that ``generate()``
-maintains, or ``None`` (no padding). Rows are left padded; each row's positions count from its first real token,
-where its pattern is anchored (so a batch generates what each prompt generates alone). A right-padded prompt can
-be prefilled (its attention is exact) but not extended: generation needs left padding.
+maintains, or ``None`` (no padding). Padding may sit anywhere: left, right (generation then appends after it, as
+transformers does) or holes inside a row. A row's positions count its real tokens only: a token's position is the
+number of real tokens before it (``attention_mask.cumsum(-1) - 1``, the ``position_ids`` generate computes), and
+the pattern is anchored there, so a row with a hole computes what the row without the masked tokens computes, and a
+batch generates what each prompt generates alone. Padded queries return 0.
+
+Rollback (speculative decoding): ``crop`` removes the newest tokens again. Eviction runs behind: the ring keeps
+``rollback_tokens`` more tokens (``cdiv(rollback_tokens, block_size)`` blocks per KV head; default
+``config.s2_rollback_tokens``) than the window needs, and after a forward of ``Tq`` tokens it keeps room to drop
+those ``Tq - 1`` tokens too (assisted decoding verifies its drafts in one forward and then crops the rejected ones),
+until the next forward. A deeper crop is a ``ValueError`` naming the limit.
 
 The reference implementations (``attn_implementation="sdpa"``/``"eager"``) read every past key: they call the
 standard ``update``, and the layer then keeps everything like a ``DynamicLayer``. The first call decides the mode.
@@ -38,6 +46,14 @@ from .kernels.interface import s2_attention
 from .kernels.pattern import S2Pattern
 
 S2_LAYER_TYPE = "s2_attention"
+# Tokens a compact cache can roll back by default (config.s2_rollback_tokens): above the 20 drafts per step that
+# transformers' assisted generation makes by default (num_assistant_tokens); one 64-token block of memory per KV head.
+DEFAULT_ROLLBACK_TOKENS = 64
+
+
+def check_rollback_tokens(rollback_tokens) -> None:
+    if isinstance(rollback_tokens, bool) or not isinstance(rollback_tokens, int) or rollback_tokens < 0:
+        raise ValueError(f"s2_rollback_tokens (rollback_tokens) must be an integer >= 0, got {rollback_tokens!r}")
 
 
 class S2CacheLayer(DynamicLayer):
@@ -47,13 +63,17 @@ class S2CacheLayer(DynamicLayer):
 
     _layer_type = S2_LAYER_TYPE  # registers the class in transformers' DYNAMIC_LAYER_TYPE_MAPPING
     is_sliding = False
-    is_croppable = False  # evicted blocks cannot be restored
-
-    def __init__(self, **kwargs):
-        super().__init__()
-        self._reset_state()
-
+    is_croppable = True  # up to the rollback limit (see the module docstring)
     is_sparse = True  # the layer of a sparse model layer (kv_cache_bytes counts it as "s2")
+
+    def __init__(self, rollback_tokens: int | None = None, **kwargs):
+        """``rollback_tokens``: how far behind eviction runs (``None``: the model sets ``config.s2_rollback_tokens``
+        at its first forward; 0 for a layer used without a model)."""
+        super().__init__()
+        if rollback_tokens is not None:
+            check_rollback_tokens(rollback_tokens)
+        self.rollback_tokens = rollback_tokens
+        self._reset_state()
 
     @property
     def is_compact(self) -> bool:
@@ -66,7 +86,8 @@ class S2CacheLayer(DynamicLayer):
         self.num_ring = 0  # allocated ring slots
         self.seq_lens: torch.Tensor | None = None  # int64 [B] real tokens per row
         self.num_seen = 0  # tokens seen, padding included (what get_seq_length reports)
-        self.right_padded = False
+        self.crop_floor: torch.Tensor | None = None  # int64 [B]: the fewest real tokens a crop may leave per row
+        self.recent_real: torch.Tensor | None = None  # bool [B, m]: which of the newest m columns are real tokens
 
     def __repr__(self):
         return f"{type(self).__name__}(layout={self.layout}, num_seen={self.num_seen})"
@@ -88,13 +109,42 @@ class S2CacheLayer(DynamicLayer):
         self._reset_state()
 
     def crop(self, tokens_to_remove: int) -> None:
+        """Drop the newest tokens: ``crop(-n)`` removes ``n`` columns (transformers' convention); a positive value
+        is the length to keep (its legacy form). A compact layer goes back at most ``max_crop()`` columns."""
         if not self.is_compact:
             return super().crop(tokens_to_remove)
-        if tokens_to_remove != 0:
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+            raise ValueError(f"tokens_to_remove must be an integer, got {tokens_to_remove!r}")
+        remove = -tokens_to_remove if tokens_to_remove <= 0 else max(0, self.num_seen - tokens_to_remove)
+        if remove == 0:
+            return
+        limit = self.max_crop()
+        if remove > limit:
             raise ValueError(
-                "an S2 cache cannot be cropped: blocks no future query reads are already evicted (assisted or "
-                "speculative generation needs DynamicCache() without config)"
+                f"crop: {remove} tokens to remove, but this S2 cache layer can drop at most {limit} now (those of its "
+                f"last forward or up to rollback_tokens={self.rollback_tokens}; older KV blocks are evicted). Raise "
+                "config.s2_rollback_tokens to crop deeper."
             )
+        self.seq_lens = self.seq_lens - self.recent_real[:, -remove:].sum(-1)
+        self.recent_real = self.recent_real[:, :-remove]
+        self.num_seen -= remove
+
+    def max_crop(self) -> int:
+        """How many of the newest columns ``crop`` can remove: each row must keep at least ``crop_floor`` real
+        tokens (below it, its local window has been evicted)."""
+        if not self.is_compact:
+            return self.get_seq_length()
+        real_removed = self.recent_real.flip(-1).long().cumsum(-1)  # [B, m]: real tokens in the newest 1..m columns
+        fits = ((self.seq_lens[:, None] - real_removed) >= self.crop_floor[:, None]).all(0)
+        return int(fits.long().cumprod(0).sum())
+
+    def _raise_crop_floor(self) -> None:
+        """After storage was written or moved: a block ``ring_blocks`` behind the newest block of a row may have
+        been overwritten, so the row cannot be cropped to a length whose window reaches back to it."""
+        bs, spare = self.layout.block_size, self.layout.ring_blocks - self.layout.pattern.local_blocks
+        last = (self.seq_lens - 1).clamp(min=0).div(bs, rounding_mode="floor")
+        floor = torch.where(last > spare, (last - spare) * bs + 1, 0)
+        self.crop_floor = floor if self.crop_floor is None else torch.maximum(self.crop_floor, floor)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select_rows(beam_idx, "beam_idx")
@@ -108,8 +158,7 @@ class S2CacheLayer(DynamicLayer):
         if self.keys is not None and self.keys.numel():
             self.keys = self.keys.repeat_interleave(repeats, dim=0)
             self.values = self.values.repeat_interleave(repeats, dim=0)
-            if self.is_compact:
-                self.seq_lens = self.seq_lens.repeat_interleave(repeats, dim=0)
+            self._map_row_state(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def _select_rows(self, index: torch.Tensor, name: str, allow_resize: bool = False) -> None:
         if self.keys is None or not self.keys.numel():
@@ -124,8 +173,13 @@ class S2CacheLayer(DynamicLayer):
         index = index.to(self.keys.device)
         self.keys = self.keys.index_select(0, index)
         self.values = self.values.index_select(0, index)
-        if self.is_compact:
-            self.seq_lens = self.seq_lens.index_select(0, index)
+        self._map_row_state(lambda t: t.index_select(0, index))
+
+    def _map_row_state(self, function) -> None:
+        """Apply ``function`` to the per-row state of a compact layer (rows selected, reordered or repeated)."""
+        for name in ("seq_lens", "crop_floor", "recent_real"):
+            if getattr(self, name) is not None:
+                setattr(self, name, function(getattr(self, name)))
 
     # ------------------------------------------------------------------ S2 attention with the cache
     def update_and_attend(
@@ -137,30 +191,28 @@ class S2CacheLayer(DynamicLayer):
         *,
         scaling: float | None = None,
         attention_mask: torch.Tensor | None = None,
-        max_position_embeddings: int | None = None,
         backend: str = "auto",
     ) -> torch.Tensor:
         """Store the new tokens' K/V and attend: ``query [B, Hq, Tq, D]``, ``key/value [B, Hkv, Tq, D]`` (the new
         tokens, RoPE applied) -> ``[B, Hq, Tq, D]``. ``attention_mask``: ``[B, past + Tq]`` key padding mask or
-        ``None``. Positions beyond ``max_position_embeddings`` (when given) are a ``ValueError``."""
-        num_seen = self._check_step(query, key, value, pattern, attention_mask, max_position_embeddings)
+        ``None``. The storage grows with the sequence: any length fits while memory lasts."""
+        num_seen = self._check_step(query, key, value, pattern, attention_mask)
+        new_real = None if attention_mask is None else attention_mask[:, -query.shape[2]:].to(query.device).bool()
         if self.num_seen == 0:
             out = self._attend_prompt(query, key, value, pattern, scaling, attention_mask, backend)
             self._store_prompt(key, value, pattern, attention_mask, num_q_heads=query.shape[1])
+            self._remember_real(new_real, query.shape[0], query.shape[2])
             return out
         if query.shape[0] != self.keys.shape[0]:
             raise ValueError(
                 f"the cache holds {self.keys.shape[0]} rows but the input has batch size {query.shape[0]}; a cache "
                 "serves one batch (batch size x num_beams) from its first forward on"
             )
-        if self.right_padded:
-            raise ValueError(
-                "this cache was prefilled from a right-padded batch, which cannot be extended: pad on the left "
-                "(tokenizer.padding_side = 'left') to generate"
-            )
-        return self._attend_new_tokens(query, key, value, num_seen, scaling, attention_mask, backend)
+        out = self._attend_new_tokens(query, key, value, num_seen, scaling, new_real, backend)
+        self._remember_real(new_real, query.shape[0], query.shape[2])
+        return out
 
-    def _check_step(self, query, key, value, pattern, attention_mask, max_position_embeddings) -> int:
+    def _check_step(self, query, key, value, pattern, attention_mask) -> int:
         """Validate one call; returns the tokens seen after it."""
         self._check_call(query, key, value, pattern)
         if not self.is_compact and self.is_initialized:
@@ -170,11 +222,6 @@ class S2CacheLayer(DynamicLayer):
             )
         batch, _, tq, _ = query.shape
         num_seen = self.num_seen + tq
-        if max_position_embeddings is not None and num_seen > max_position_embeddings:
-            raise ValueError(
-                f"the sequence reaches {num_seen} tokens, beyond max_position_embeddings={max_position_embeddings} "
-                "(the positions the model was built for); raise config.max_position_embeddings to go further"
-            )
         if attention_mask is not None and tuple(attention_mask.shape) != (batch, num_seen):
             raise ValueError(
                 f"attention_mask must be the 2-D key padding mask [B, past + Tq] = {[batch, num_seen]}, got "
@@ -186,18 +233,52 @@ class S2CacheLayer(DynamicLayer):
         """Attention of the prompt (the first call) over its own full K/V."""
         return s2_attention(query, key, value, pattern, scale=scaling, attention_mask=attention_mask, backend=backend)
 
-    def _attend_new_tokens(self, query, key, value, num_seen, scaling, attention_mask, backend):
-        """Write the new tokens into the compact storage (grown as needed) and attend over it."""
-        pattern, tq = self.layout.pattern, query.shape[2]
-        seq_lens = self._new_seq_lens(attention_mask, tq)
-        self._relayout(ring_blocks_for(pattern, tq), num_seen, self.seq_lens)  # room for the chunk's new blocks
-        s2_cache_append(self.keys, self.values, key, value, seq_lens, self.layout, num_ring_slots=self.num_ring,
+    def _attend_new_tokens(self, query, key, value, num_seen, scaling, new_real, backend):
+        """Write the new tokens into the compact storage (grown as needed) and attend over it.
+
+        ``new_real``: bool ``[B, Tq]``, which new tokens are real (``None``: all). A real token's position is the
+        row's real-token count before it. One decode token (``Tq == 1``) needs no host sync: a padding token is
+        written nowhere and its output is 0. A chunk whose padding only precedes a row's first token (left padding)
+        runs at once; any other padding inside a chunk (a rare input) runs token by token."""
+        tq = query.shape[2]
+        if new_real is not None and tq > 1:
+            count = new_real.sum(-1)
+            left_padded = new_real == (torch.arange(tq, device=count.device) >= tq - count[:, None])
+            if not bool((left_padded.all(-1) & ((count == tq) | (self.seq_lens == 0))).all()):
+                outs = [
+                    self._attend_new_tokens(query[:, :, t : t + 1], key[:, :, t : t + 1], value[:, :, t : t + 1],
+                                            self.num_seen + 1, scaling, new_real[:, t : t + 1], backend)
+                    for t in range(tq)
+                ]
+                return torch.cat(outs, dim=2)
+        pattern = self.layout.pattern
+        added = tq if new_real is None else new_real.sum(-1)
+        seq_lens = self.seq_lens + added
+        # Room for the chunk's new blocks and for rolling them back (crop); kept until the next call.
+        self._relayout(max(ring_blocks_for(pattern, tq), self._steady_ring_blocks(pattern)), num_seen, self.seq_lens)
+        # A padding decode token is written at position -1, i.e. nowhere (the append skips negative positions).
+        write_lens = seq_lens if new_real is None or tq > 1 else torch.where(new_real[:, 0], seq_lens, 0)
+        s2_cache_append(self.keys, self.values, key, value, write_lens, self.layout, num_ring_slots=self.num_ring,
                         backend=backend)
         self.num_seen, self.seq_lens = num_seen, seq_lens
+        self._raise_crop_floor()
         out = s2_decode_attention(query, self.keys, self.values, seq_lens, self.layout, num_ring_slots=self.num_ring,
                                   scale=scaling, backend=backend)
-        self._relayout(pattern.local_blocks, num_seen, seq_lens)  # back to the window alone after a chunk
-        return out
+        return out if new_real is None else out.masked_fill(~new_real[:, None, :, None], 0)
+
+    def _steady_ring_blocks(self, pattern: S2Pattern) -> int:
+        """The ring between calls: the local window plus ``rollback_tokens``."""
+        return ring_blocks_for(pattern, (self.rollback_tokens or 0) + 1)
+
+    def _remember_real(self, new_real, batch, tq):
+        """Keep which of the newest columns are real (as many as a crop may remove), so that ``crop`` knows how
+        many real tokens each row loses."""
+        if new_real is None:
+            new_real = torch.ones(batch, tq, dtype=torch.bool, device=self.seq_lens.device)
+        spare = self.layout.ring_blocks - self.layout.pattern.local_blocks
+        keep = max(tq, (spare + 1) * self.layout.block_size)
+        recent = new_real if self.recent_real is None else torch.cat([self.recent_real, new_real], dim=1)
+        self.recent_real = recent[:, -keep:]
 
     def _check_call(self, query, key, value, pattern):
         if not isinstance(pattern, S2Pattern):
@@ -218,51 +299,42 @@ class S2CacheLayer(DynamicLayer):
                 f"dtype) = {expected}, the call has {got}"
             )
 
-    def _new_seq_lens(self, attention_mask, tq):
-        if attention_mask is None:
-            return self.seq_lens + tq
-        real = attention_mask.bool()
-        seq_lens = real.sum(-1)
-        if tq > 1:  # a chunk: check the padding (one host sync per chunk; decode steps trust the mask)
-            columns = torch.arange(real.shape[1], device=real.device)
-            if not torch.equal(real, columns >= (real.shape[1] - seq_lens)[:, None]):
-                raise ValueError("attention_mask must be left padded (one run of real tokens up to the last column)")
-        return seq_lens
-
     # ------------------------------------------------------------------ storage
     def _store_prompt(self, key, value, pattern, attention_mask, num_q_heads):
         batch, num_kv, tq, _ = key.shape
         if attention_mask is None:
             seq_lens = torch.full((batch,), tq, dtype=torch.long, device=key.device)
-            first = torch.zeros_like(seq_lens)
-        else:
+            columns = torch.arange(tq, device=key.device).expand(batch, tq)
+        else:  # the columns of each row's real tokens, in order (padding anywhere)
             real = attention_mask.to(key.device).bool()
             seq_lens = real.sum(-1)
-            first = torch.where(seq_lens > 0, real.int().argmax(-1), 0)
-            self.right_padded = bool(((first + seq_lens) != tq).logical_and(seq_lens > 0).any())
-        self.layout = CompactLayout(pattern, num_q_heads, num_kv, pattern.local_blocks)
+            columns = torch.sort((~real).int(), dim=-1, stable=True).indices
+        self.layout = CompactLayout(pattern, num_q_heads, num_kv, self._steady_ring_blocks(pattern))
         self.dtype, self.device = key.dtype, key.device
         self.num_ring, num_slots = self._prompt_slots(tq)
-        self.keys = self._gather_prompt(key, first, seq_lens, num_slots)
-        self.values = self._gather_prompt(value, first, seq_lens, num_slots)
+        self.keys = self._gather_prompt(key, columns, seq_lens, num_slots)
+        self.values = self._gather_prompt(value, columns, seq_lens, num_slots)
         self.seq_lens, self.num_seen, self.is_initialized = seq_lens, tq, True
+        self._raise_crop_floor()
 
     def _prompt_slots(self, num_tokens: int) -> tuple[int, int]:
         """``(ring slots, all slots)`` to allocate for a prompt of ``num_tokens``: exactly what it fills."""
         num_ring = self.layout.num_ring_slots(num_tokens)
         return num_ring, num_ring + self.layout.num_vertical_slots(num_tokens)
 
-    def _gather_prompt(self, states, first, seq_lens, num_slots):
-        """The kept blocks of ``states [B, Hkv, T, D]`` (row b's position 0 at index ``first[b]``) in the layout."""
+    def _gather_prompt(self, states, columns, seq_lens, num_slots):
+        """The kept blocks of ``states [B, Hkv, T, D]`` in the layout; row b's position p is column ``columns[b, p]``
+        (its p-th real token)."""
         batch, num_kv, length, dim = states.shape
         bs = self.layout.block_size
         blocks = slot_blocks(self.layout, seq_lens, self.num_ring, num_slots)  # [B, Hkv, S]
         pos = blocks[..., None] * bs + torch.arange(bs, device=states.device)  # [B, Hkv, S, bs]
         ok = (blocks[..., None] >= 0) & (pos < seq_lens[:, None, None, None])
-        index = (first[:, None, None, None] + pos).clamp(0, max(0, length - 1))
+        if not length:
+            return states.new_zeros(batch, num_kv, num_slots * bs, dim)
+        index = columns.gather(1, pos.clamp(0, length - 1).flatten(1)).view(pos.shape)
         rows, heads = _row_head_index(batch, num_kv, states.device, 4)
-        gathered = states[rows, heads, index] if length else states.new_zeros(*index.shape, dim)
-        return gathered.masked_fill(~ok[..., None], 0).view(batch, num_kv, num_slots * bs, dim)
+        return states[rows, heads, index].masked_fill(~ok[..., None], 0).view(batch, num_kv, num_slots * bs, dim)
 
     def _relayout(self, ring_blocks, num_seen, seq_lens):
         """Move the storage to a ring of ``ring_blocks`` and the capacity ``num_seen`` needs (no-op if unchanged)."""
@@ -288,6 +360,7 @@ class S2CacheLayer(DynamicLayer):
 
         self.keys, self.values = move(self.keys), move(self.values)
         self.layout, self.num_ring = new, num_ring
+        self._raise_crop_floor()  # a smaller ring keeps fewer blocks behind the newest
 
 def _row_head_index(batch: int, num_kv: int, device, ndim: int):
     """Broadcastable batch-row and KV-head index tensors of ``ndim`` dims for advanced indexing."""
@@ -309,15 +382,29 @@ def s2_cache_layer(past_key_values, layer_idx: int) -> S2CacheLayer | None:
     return None
 
 
+def set_default_rollback(cache, rollback_tokens: int) -> None:
+    """Give the S2 layers of ``cache`` that have no ``rollback_tokens`` yet (built by ``DynamicCache(config=...)``,
+    which passes no arguments to its layers) this one; a layer's value is fixed once it holds tokens."""
+    for layer in getattr(cache, "layers", ()):
+        if isinstance(layer, S2CacheLayer) and layer.rollback_tokens is None and not layer.is_compact:
+            layer.rollback_tokens = rollback_tokens
+
+
 def kv_cache_bytes(cache: DynamicCache) -> dict[str, int]:
-    """Bytes held by the cache's dense and S2 layers (``keys`` and ``values`` of every layer)."""
-    sizes = {"dense": 0, "s2": 0}
+    """Bytes held by the cache's dense and S2 layers (``keys`` and ``values`` of every layer), and
+    ``"s2_rollback"``: the part of ``"s2"`` that only serves ``crop`` (the ring slots beyond the local window,
+    ``config.s2_rollback_tokens``; after a multi-token forward also room to crop those tokens, until the next one)."""
+    sizes = {"dense": 0, "s2": 0, "s2_rollback": 0}
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
             continue
         kind = "s2" if getattr(layer, "is_sparse", False) else "dense"
-        sizes[kind] += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+        layer_bytes = sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+        sizes[kind] += layer_bytes
+        if kind == "s2" and getattr(layer, "is_compact", False):
+            extra_slots = max(0, layer.num_ring - layer.layout.pattern.local_blocks)
+            sizes["s2_rollback"] += layer_bytes * extra_slots * layer.layout.block_size // layer.keys.shape[2]
     return sizes
 
 
-__all__ = ["S2CacheLayer", "kv_cache_bytes", "s2_cache_layer"]
+__all__ = ["S2CacheLayer", "kv_cache_bytes", "s2_cache_layer", "set_default_rollback"]

@@ -12,6 +12,7 @@ from typing import Any
 from huggingface_hub.dataclasses import strict
 from transformers import LlamaConfig
 
+from .cache_s2_llama import DEFAULT_ROLLBACK_TOKENS, check_rollback_tokens
 from .kernels.interface import BACKENDS
 from .kernels.pattern import S2Pattern
 from .remote_code import export_remote_code
@@ -102,6 +103,10 @@ class S2LlamaConfig(LlamaConfig):
     s2_backend (`str`, *optional*, defaults to `"auto"`):
         Backend of the sparse layers under ``attn_implementation="s2"``: ``"auto"`` (Triton on CUDA, the exact
         PyTorch path elsewhere), ``"triton"`` or ``"torch"``.
+    s2_rollback_tokens (`int`, *optional*, defaults to 64):
+        How many of the newest tokens the compact KV cache of a sparse layer can drop again with ``crop`` (assisted
+        and prompt-lookup decoding): eviction runs this many tokens behind, at a cost of ``cdiv(s2_rollback_tokens,
+        block_size)`` extra blocks per KV head and sparse layer. ``generate`` raises it to the drafts it makes.
 
     Example:
 
@@ -119,9 +124,16 @@ class S2LlamaConfig(LlamaConfig):
     sparsity: list[str | dict] | dict | str | None = None
     layer_types: list[str] | None = None
     s2_backend: str = "auto"
+    s2_rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
+        if self.num_key_value_heads < 1 or self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of num_key_value_heads="
+                f"{self.num_key_value_heads} (each KV head serves a group of query heads)"
+            )
+        check_rollback_tokens(self.s2_rollback_tokens)
         self.sparsity = self._normalized_sparsity()
         derived = [FULL_ATTENTION if spec == DENSE else S2_ATTENTION for spec in self.sparsity]
         if self.layer_types is not None and list(self.layer_types) != derived:

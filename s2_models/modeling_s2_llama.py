@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface, GenerationMixin
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMode
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
@@ -36,11 +37,11 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
 )
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .cache_s2_llama import S2CacheLayer, s2_cache_layer
+from .cache_s2_llama import S2CacheLayer, s2_cache_layer, set_default_rollback
 from .configuration_s2_llama import DENSE, FULL_ATTENTION, S2_ATTENTION, S2LlamaConfig
 from .kernels.interface import dense_attention, s2_attention
 from .kernels.pattern import S2Pattern, token_mask
@@ -103,7 +104,7 @@ def s2_attention_forward(
     Args:
         module: the attention layer; ``module.s2_pattern`` is its ``S2Pattern`` (``None``: dense).
         query: ``[B, Hq, Tq, D]``; key, value: ``[B, Hkv, Tk, D]`` (GQA native), queries bottom-right aligned.
-        attention_mask: ``None`` or the ``[B, Tk]`` key padding mask (left or right padding).
+        attention_mask: ``None`` or the ``[B, Tk]`` key padding mask (padding anywhere; positions count real tokens).
         cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k: packed sequences (flash-attn varlen kwargs, as
             from ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``): the ``B * T`` tokens, flattened
             row after row, are split at these offsets.
@@ -146,8 +147,10 @@ AttentionMaskInterface.register(S2_IMPLEMENTATION, s2_padding_mask)
 def sequence_layout(batch_size, kv_length, key_padding_mask=None, cu_seqlens=None, device=None):
     """Which sequence each key belongs to, and its position in it: ``(segment, position)``, both ``long [B, Tk]``.
 
-    ``segment`` is -1 for padding. Sequences start at their first real token (padding) or at the ``cu_seqlens``
-    offsets into the flattened ``B * Tk`` tokens (packing), exactly where ``s2_attention`` anchors its pattern.
+    ``segment`` is -1 for padding. With a padding mask a row's real tokens are one sequence and a token's position
+    is the number of real tokens before it (padding anywhere, holes included, is skipped: ``mask.cumsum(-1) - 1``,
+    the ``position_ids`` generate computes); with ``cu_seqlens`` sequences start at those offsets into the flattened
+    ``B * Tk`` tokens (packing). Exactly where ``s2_attention`` anchors its pattern.
     """
     index = torch.arange(kv_length, device=device).expand(batch_size, kv_length)
     if cu_seqlens is not None:
@@ -158,8 +161,7 @@ def sequence_layout(batch_size, kv_length, key_padding_mask=None, cu_seqlens=Non
     if key_padding_mask is None:
         return torch.zeros_like(index), index
     real = key_padding_mask.to(device=device, dtype=torch.bool)
-    first = real.int().argmax(-1, keepdim=True)
-    return torch.where(real, 0, -1), index - first
+    return torch.where(real, 0, -1), torch.where(real, real.long().cumsum(-1) - 1, -1)
 
 
 def s2_reference_mask(pattern: S2Pattern, num_q_heads, num_kv_heads, q_length, segment, position, dtype=None):
@@ -170,7 +172,7 @@ def s2_reference_mask(pattern: S2Pattern, num_q_heads, num_kv_heads, q_length, s
     ``sequence_layout``.
     """
     num_heads = pattern.num_pattern_heads(num_q_heads, num_kv_heads)
-    length = int(position.max()) + 1
+    length = max(1, int(position.max()) + 1)
     num_blocks = -(-length // pattern.block_size)
     blocks = pattern.block_mask(num_heads, num_blocks, num_blocks, device=position.device)
     within_sequence = token_mask(blocks, pattern.block_size, length, length)  # [P, L, L], by position in sequence
@@ -178,6 +180,8 @@ def s2_reference_mask(pattern: S2Pattern, num_q_heads, num_kv_heads, q_length, s
     keep = within_sequence[:, q_position.clamp(min=0)[:, :, None], position.clamp(min=0)[:, None, :]]
     same_sequence = (q_segment[:, :, None] == segment[:, None, :]) & (segment[:, None, :] >= 0)  # [B, Tq, Tk]
     mask = (keep.transpose(0, 1) & same_sequence[:, None]).repeat_interleave(num_q_heads // num_heads, dim=1)
+    # A padding query sees no key: let it see every key (its output is padding) so no softmax row is empty (NaN).
+    mask = mask | ~mask.any(-1, keepdim=True)
     if dtype is None:
         return mask
     return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
@@ -258,7 +262,7 @@ class S2LlamaAttention(nn.Module):
             attn_output = attend_as_autocast_op(
                 lambda query, key, value: cache_layer.update_and_attend(
                     query, key, value, self.s2_pattern, scaling=self.scaling, attention_mask=attention_mask,
-                    max_position_embeddings=self.config.max_position_embeddings, backend=self.config.s2_backend,
+                    backend=self.config.s2_backend,
                 ),
                 query_states, key_states, value_states,
             )
@@ -344,14 +348,25 @@ class S2LlamaPreTrainedModel(PreTrainedModel):
 
     def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
         """``"s2"`` is the default (transformers picks SDPA when none is requested, and the choice is not saved in
-        ``config.json``); implementations that cannot apply the sparse patterns are refused for sparse models."""
+        ``config.json``); implementations that cannot apply the sparse patterns are refused for sparse models.
+        transformers' own errors (e.g. an unknown name) keep their text, with the S2 choices added after it."""
         requested = S2_IMPLEMENTATION if requested_attention is None else requested_attention
-        if S2_ATTENTION in self.config.layer_types and requested not in SPARSE_CAPABLE_IMPLEMENTATIONS:
-            raise ValueError(
-                f"attn_implementation must be one of {SPARSE_CAPABLE_IMPLEMENTATIONS} for a model with sparse layers "
-                f"(sparsity of {self.config.layer_types.count(S2_ATTENTION)} layers), got {requested!r}"
-            )
-        return super().get_correct_attn_implementation(requested, is_init_check)
+        num_sparse = self.config.layer_types.count(S2_ATTENTION)
+        sparse_choices = (
+            f"attn_implementation must be one of {SPARSE_CAPABLE_IMPLEMENTATIONS} for a model with sparse layers "
+            f"(sparsity of {num_sparse} layers)"
+        )
+        hint = (
+            f'S2 models: "s2" is the default (the S2 kernels); "sdpa" and "eager" apply the same sparse patterns as '
+            f"references; {sparse_choices if num_sparse else 'an all-dense S2 model takes any implementation'}."
+        )
+        try:
+            implementation = super().get_correct_attn_implementation(requested, is_init_check)
+        except (ValueError, ImportError) as e:
+            raise type(e)(f"{e} {hint}") from e
+        if num_sparse and implementation not in SPARSE_CAPABLE_IMPLEMENTATIONS:
+            raise ValueError(f"{sparse_choices}, got {requested!r}")
+        return implementation
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """``save_pretrained`` that also writes the remote code (through the config) and, when
@@ -414,9 +429,17 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
         kwargs ``cu_seq_lens_q/k`` and ``max_length_q/k`` (``DataCollatorWithFlattening``), with no attention mask."""
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if input_ids is not None and (input_ids.is_floating_point() or input_ids.is_complex()):
+            raise ValueError(f"input_ids must be integer token ids (torch.long), got dtype {input_ids.dtype}")
 
         if inputs_embeds is None:
             inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0:
+            name = "input_ids" if input_ids is not None else "inputs_embeds"
+            raise ValueError(
+                f"{name} must hold at least one token per row ([batch, seq_len >= 1]), got shape "
+                f"{tuple((input_ids if input_ids is not None else inputs_embeds).shape)}"
+            )
 
         # Packed sequences, read like transformers does: only without a padding mask and without a past. They get no
         # cache: its keys could not be continued as one sequence.
@@ -438,6 +461,10 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
 
         if use_cache and past_key_values is None and cu_seqlens is None:
             past_key_values = DynamicCache(config=self.config)
+        if not is_torchdynamo_compiling():  # host-side checks and cache set-up (none of it is device work)
+            self._check_padding_mask(attention_mask, inputs_embeds, past_key_values)
+            if past_key_values is not None:
+                set_default_rollback(past_key_values, self.config.s2_rollback_tokens)
 
         if position_ids is None:
             past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
@@ -465,6 +492,19 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
             last_hidden_state=hidden_states,
             past_key_values=past_key_values,
         )
+
+    @staticmethod
+    def _check_padding_mask(attention_mask, inputs_embeds, past_key_values) -> None:
+        """A ``[B, T]`` padding mask must cover the cached tokens and the new ones (Llama would fail deep inside)."""
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+            return
+        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        expected = (inputs_embeds.shape[0], past_seen + inputs_embeds.shape[1])
+        if tuple(attention_mask.shape) != expected:
+            raise ValueError(
+                f"attention_mask must be the [batch, past + seq_len] padding mask = {list(expected)} (past = "
+                f"{past_seen} cached tokens), got {list(attention_mask.shape)}"
+            )
 
     def _attention_masks(self, inputs_embeds, attention_mask, past_key_values, position_ids, cu_seqlens) -> dict:
         """The mask of every layer, keyed ``"full_attention"`` for dense layers and by ``S2Pattern`` for sparse ones."""
@@ -580,6 +620,19 @@ class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
         )
 
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
+        """transformers' cache preparation; for assisted and prompt-lookup decoding the compact S2 layers of a new
+        cache also keep room to roll back the drafts of the first forward (prompt plus drafts), which are then
+        cropped. Later forwards keep room to crop their own tokens."""
+        result = super()._prepare_cache_for_generation(
+            generation_config, model_kwargs, generation_mode, *args, **kwargs
+        )
+        cache = model_kwargs.get("past_key_values")
+        if generation_mode == GenerationMode.ASSISTED_GENERATION:
+            drafts = max(generation_config.prompt_lookup_num_tokens or 0, generation_config.num_assistant_tokens or 0)
+            set_default_rollback(cache, max(self.config.s2_rollback_tokens, int(drafts)))
+        return result
 
     def _prepare_static_cache(self, cache_implementation, batch_size, max_cache_len, prefill_chunk_size, model_kwargs):
         """``generate(..., cache_implementation="static")`` gets an ``S2StaticCache`` (transformers' ``StaticCache``

@@ -34,6 +34,9 @@ from .kernels.pattern import S2Pattern
 
 # Every block is vertical (one residue, stride 1) and nothing is local: all blocks kept, in position order.
 DENSE_LAYER_PATTERN = S2Pattern(block_size=128, local_blocks=1, vert_stride=1)
+# Rope types whose frequencies transformers recomputes on the host from the length seen: a replayed graph would keep
+# the captured ones (and capture cannot read the length), so their decode steps run eagerly.
+LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
 
 
 class S2StaticLayer(S2CacheLayer):
@@ -42,9 +45,10 @@ class S2StaticLayer(S2CacheLayer):
 
     _layer_type = None  # built by S2StaticCache, not through transformers' layer-type mappings
     is_compileable = False  # graph capture is S2StaticCache's own; transformers must not torch.compile around it
+    is_croppable = False  # one token per step: assisted generation (which crops) needs the dynamic cache
 
     def __init__(self, pattern: S2Pattern | None, max_cache_len: int):
-        super().__init__()
+        super().__init__(rollback_tokens=0)
         self.model_pattern = pattern  # the layer's pattern; None for a dense layer
         self.max_cache_len = max_cache_len
 
@@ -75,6 +79,16 @@ class S2StaticLayer(S2CacheLayer):
             )
         return super().update_and_attend(query, key, value, pattern or DENSE_LAYER_PATTERN, **kwargs)
 
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            raise ValueError(
+                "a static S2 cache cannot be cropped (it takes one token per step after the prompt): assisted and "
+                "prompt-lookup generation need the default dynamic cache"
+            )
+
+    def _remember_real(self, new_real, batch, tq) -> None:
+        """Nothing to remember: the layer cannot be cropped (and a replayed graph would not run this)."""
+
     def check_room(self, num_new_tokens: int) -> None:
         """A ``ValueError`` unless ``num_new_tokens`` more tokens fit."""
         if self.num_seen + num_new_tokens > self.max_cache_len:
@@ -93,7 +107,7 @@ class S2StaticLayer(S2CacheLayer):
             return dense_attention(query, key, value, scaling, key_padding_mask=attention_mask)
         return super()._attend_prompt(query, key, value, pattern, scaling, attention_mask, backend)
 
-    def _attend_new_tokens(self, query, key, value, num_seen, scaling, attention_mask, backend):
+    def _attend_new_tokens(self, query, key, value, num_seen, scaling, new_real, backend):
         tq = query.shape[2]
         if tq != 1:
             raise ValueError(
@@ -128,25 +142,25 @@ class S2StaticCache(Cache):
 
     Args:
         config: the model's ``S2LlamaConfig`` (its ``sparsity`` decides each layer's layout).
-        max_cache_len: tokens per row the cache can hold, prompt included; at most
-            ``config.max_position_embeddings``.
-        cuda_graphs: replay decode steps on CUDA as CUDA graphs (default ``True``).
+        max_cache_len: tokens per row the cache can hold, prompt included (``generate`` passes its
+            ``max_length``); any length the model's positions accept, beyond ``max_position_embeddings`` too
+            (rope scaling). The memory is allocated by the prompt's forward.
+        cuda_graphs: replay decode steps on CUDA as CUDA graphs (default ``True``; always off for the rope types
+            in ``LENGTH_DEPENDENT_ROPE_TYPES``).
     """
 
     def __init__(self, config, max_cache_len: int, cuda_graphs: bool = True):
         sparsity = getattr(config, "sparsity", None)
         if not isinstance(sparsity, list | tuple):
             raise ValueError(f"config must be an S2LlamaConfig (per-layer sparsity), got {type(config).__name__}")
-        limit = config.max_position_embeddings
-        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or not 1 <= max_cache_len <= limit:
-            raise ValueError(
-                f"max_cache_len must be an integer in [1, max_position_embeddings={limit}], got {max_cache_len!r}"
-            )
+        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be an integer >= 1, got {max_cache_len!r}")
         if not isinstance(cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
         patterns = [None if spec == DENSE else S2Pattern.from_dict(spec) for spec in sparsity]
         super().__init__(layers=[S2StaticLayer(pattern, max_cache_len) for pattern in patterns])
-        self.cuda_graphs = cuda_graphs
+        rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+        self.cuda_graphs = cuda_graphs and rope_type not in LENGTH_DEPENDENT_ROPE_TYPES
         self._graphs: dict[tuple, _CapturedStep] = {}
         self._warmed_up: set[tuple] = set()
         self._pool = None
@@ -212,4 +226,4 @@ class _CapturedStep:
         return self.logits.clone()
 
 
-__all__ = ["DENSE_LAYER_PATTERN", "S2StaticCache", "S2StaticLayer"]
+__all__ = ["DENSE_LAYER_PATTERN", "LENGTH_DEPENDENT_ROPE_TYPES", "S2StaticCache", "S2StaticLayer"]

@@ -82,16 +82,11 @@ def test_reorder_select_and_errors():
     y = torch.randn(2, 2, 1, 16)
     with pytest.raises(ValueError, match="another model"):
         layer.update_and_attend(y, y, y, S2Pattern(block_size=16, local_blocks=3, vert_stride=3))
-    with pytest.raises(ValueError, match="max_position_embeddings"):
-        layer.update_and_attend(y, y, y, PATTERN, max_position_embeddings=40)
     with pytest.raises(ValueError, match="compact"):
         layer.update(y, y)
-    with pytest.raises(ValueError, match="cropped"):
-        layer.crop(-1)
-    right = S2CacheLayer()
-    right.update_and_attend(x, x, x, PATTERN, attention_mask=torch.arange(40)[None].expand(2, -1) < 30)
-    with pytest.raises(ValueError, match="right-padded"):
-        right.update_and_attend(y, y, y, PATTERN)
+    # no rollback: the window (2 blocks of 16) of 40 tokens starts at token 16, so 7 tokens can go (33 keep it whole)
+    with pytest.raises(ValueError, match="can drop at most 7"):
+        layer.crop(-8)
 
 
 # ------------------------------------------------------------------------------------------------ generate()
@@ -111,7 +106,11 @@ def test_generate_uses_the_compact_cache_and_equals_recomputation():
     assert isinstance(cache.layers[0], DynamicLayer) and not isinstance(cache.layers[0], S2CacheLayer)
     assert all(isinstance(layer, S2CacheLayer) and layer.is_compact for layer in cache.layers[1:])
     sizes = kv_cache_bytes(cache)
-    assert sizes["s2"] < sizes["dense"] * 2 * 0.6  # two sparse layers hold less than one dense layer's 60%
+    # beyond the rollback room, two sparse layers hold less than one dense layer's 60%
+    assert sizes["s2"] - sizes["s2_rollback"] < sizes["dense"] * 2 * 0.6
+    rollback_blocks = -(-model.config.s2_rollback_tokens // PATTERN.block_size)  # 4 ring blocks per KV head
+    token_bytes = 2 * model.config.num_key_value_heads * model.config.head_dim * 4  # K and V, float32
+    assert sizes["s2_rollback"] == 2 * rollback_blocks * PATTERN.block_size * token_bytes
     recomputed = model.generate(ids, max_new_tokens=30, do_sample=False, use_cache=False, pad_token_id=0,
                                 eos_token_id=None)
     assert torch.equal(out.sequences, recomputed)

@@ -1,0 +1,121 @@
+"""Prompt-lookup (speculative) decoding over the compact S2 KV cache vs plain greedy decoding (GPU).
+
+    python bench/bench_speculative.py --out bench/results/speculative_h100.json          # 8k and 32k prompts
+    python bench/bench_speculative.py --quick --out /tmp/speculative.json               # 4k prompt, fewer tokens
+
+The task is input-grounded: a long "document" whose continuation repeats parts of it (an editing / summarising
+workload, where prompt lookup pays). The model is the ~1B hybrid of ``bench_generation.py`` (Llama-3.2-1B shapes,
+layers 0-1 dense, the others S2 block 64 / local 16 / stride 16) with **random weights**: it has not learnt to copy
+from its input, so the document is built from a few passages repeated many times, and how many drafts are accepted
+comes from that repetition and from the cycles greedy decoding of a random model falls into. The acceptance
+(``tokens_per_target_forward``) is recorded next to the speed so the speed-up can be read against it; a trained
+model on a real editing task accepts according to how much of the output it copies.
+
+Every variant runs through ``generate`` at batch 1 (prompt lookup's only batch size), bf16, on the default dynamic
+cache: plain greedy, and ``prompt_lookup_num_tokens`` (drafts are verified in one forward and the rejected ones
+cropped from the compact cache). Recorded: time to first token, decode tokens/s after it, target forwards, whether
+the tokens equal plain greedy's (bf16: a chunked verify and a one-token step round differently, so a near-tie can
+flip; the first differing index is recorded), and the KV memory incl. the rollback room
+(``kv_cache_bytes(...)["s2_rollback"]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+
+import torch
+
+from s2_models import S2LlamaConfig, S2LlamaForCausalLM, hybrid_sparsity
+from s2_models.cache_s2_llama import kv_cache_bytes
+
+PATTERN = {"block_size": 64, "local_blocks": 16, "vert_stride": 16}
+SHAPES = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+              num_key_value_heads=8, head_dim=64, max_position_embeddings=140_000, tie_word_embeddings=True)
+GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None, return_dict_in_generate=True)
+
+
+def document(length: int, passage_length: int = 256, num_passages: int = 8, seed: int = 0) -> torch.Tensor:
+    """``[1, length]`` token ids: passages drawn (with repetition) from a few random ones, ending inside a passage."""
+    generator = torch.Generator().manual_seed(seed)
+    passages = torch.randint(1, SHAPES["vocab_size"], (num_passages, passage_length), generator=generator)
+    order = torch.randint(0, num_passages, (-(-length // passage_length) + 1,), generator=generator)
+    return passages[order].flatten()[:length][None].cuda()
+
+
+class ForwardCounter:
+    def __init__(self, model):
+        self.count = 0
+        model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        self.count += 1
+
+
+def timed_generate(model, ids, **kwargs):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = model.generate(ids, **GREEDY, **kwargs)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, out
+
+
+@torch.no_grad()
+def run(model, counter, ids, new_tokens, **kwargs):
+    timed_generate(model, ids[:, -512:], max_new_tokens=8, **kwargs)  # warm-up: Triton compiles, cuBLAS picks
+    first_token_s, _ = timed_generate(model, ids, max_new_tokens=1, **kwargs)
+    counter.count = 0
+    seconds, out = timed_generate(model, ids, max_new_tokens=new_tokens, **kwargs)
+    sizes = kv_cache_bytes(out.past_key_values)
+    generated = out.sequences.shape[1] - ids.shape[1]
+    return out.sequences[0, ids.shape[1]:].cpu(), {
+        "new_tokens": generated,
+        "seconds": seconds,
+        "time_to_first_token_s": first_token_s,
+        "decode_tokens_per_s": (generated - 1) / max(seconds - first_token_s, 1e-9),
+        "target_forwards": counter.count,
+        "tokens_per_target_forward": generated / counter.count,
+        "kv_cache_bytes": sizes,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--quick", action="store_true", help="one 4k prompt, 128 new tokens")
+    parser.add_argument("--prompt_lookup_num_tokens", type=int, default=10)
+    args = parser.parse_args()
+    contexts, new_tokens = ((4096,), 128) if args.quick else ((8192, 32768), 256)
+    torch.manual_seed(0)
+    config = S2LlamaConfig(**SHAPES, sparsity=hybrid_sparsity(16, PATTERN, dense_layers=(0, 1)))
+    model = S2LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    counter = ForwardCounter(model)
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": SHAPES,
+               "pattern": PATTERN, "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens, "runs": {}}
+    for context in contexts:
+        ids = document(context)
+        entry = results["runs"][str(context)] = {}
+        try:
+            plain_tokens, entry["plain_greedy"] = run(model, counter, ids, new_tokens)
+            lookup_tokens, entry["prompt_lookup"] = run(
+                model, counter, ids, new_tokens, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens
+            )
+            differ = (plain_tokens != lookup_tokens).nonzero()
+            entry["tokens_equal_plain_greedy"] = not len(differ)
+            entry["first_differing_token"] = int(differ[0]) if len(differ) else None
+            entry["decode_speedup"] = (
+                entry["prompt_lookup"]["decode_tokens_per_s"] / entry["plain_greedy"]["decode_tokens_per_s"]
+            )
+        except Exception as e:  # noqa: BLE001 - a benchmark records failures and goes on
+            entry["error"] = f"{type(e).__name__}: {e}"
+            entry["trace"] = traceback.format_exc()[-2000:]
+        print(context, json.dumps(entry, indent=1), flush=True)
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
