@@ -180,10 +180,10 @@ def s2_reference_mask(pattern: S2Pattern, num_q_heads, num_kv_heads, q_length, s
     keep = within_sequence[:, q_position.clamp(min=0)[:, :, None], position.clamp(min=0)[:, None, :]]
     same_sequence = (q_segment[:, :, None] == segment[:, None, :]) & (segment[:, None, :] >= 0)  # [B, Tq, Tk]
     mask = (keep.transpose(0, 1) & same_sequence[:, None]).repeat_interleave(num_q_heads // num_heads, dim=1)
-    # A padding query sees no key: let it see every key (its output is padding) so no softmax row is empty (NaN).
-    mask = mask | ~mask.any(-1, keepdim=True)
-    if dtype is None:
+    if dtype is None:  # SDPA gives a query that sees no key (padding) a zero output, as the "s2" kernels do
         return mask
+    # Eager's softmax has no such rule: a padding query sees every key instead of none (finite, never NaN).
+    mask = mask | ~mask.any(-1, keepdim=True)
     return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
 
