@@ -244,9 +244,12 @@ class S2LlamaConfig(LlamaConfig):
         return super().from_dict(config_dict, **kwargs)
 
     def to_diff_dict(self) -> dict[str, Any]:
-        # Always spell the architecture out in config.json, even where it equals the default.
+        # Always spell the sparsity out in config.json, even where it equals the default. layer_types is derived
+        # from it and left out: transformers reads a checkpoint's config.json with its generic config class in places
+        # (Trainer's resume_from_checkpoint), whose layer-type check refuses "s2_attention".
         diff = super().to_diff_dict()
-        diff.update(sparsity=self.sparsity, layer_types=self.layer_types)
+        diff.pop("layer_types", None)
+        diff.update(sparsity=self.sparsity)
         return diff
 
     def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):

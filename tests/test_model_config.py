@@ -102,5 +102,5 @@ def test_sparsity_override_on_load_replaces_the_stored_layer_types(tmp_path):
 def test_config_json_spells_out_the_architecture(tmp_path):
     S2LlamaConfig().save_pretrained(tmp_path)  # equal to the defaults, still written
     text = (tmp_path / "config.json").read_text()
-    assert '"sparsity"' in text and '"layer_types"' in text and '"auto_map"' in text
+    assert '"sparsity"' in text and '"auto_map"' in text and '"layer_types"' not in text  # derived from sparsity
     assert S2LlamaConfig.from_pretrained(tmp_path).sparsity == S2LlamaConfig().sparsity

@@ -161,7 +161,6 @@ def test_converts_a_dense_llama_checkpoint(data_dir, tmp_path):
         torch.testing.assert_close(converted.state_dict()[name], weight, msg=name)
 
 
-@pytest.mark.xfail(strict=False, reason="needs the autocast fix")
 def test_bf16_autocast_on_fp32_weights(data_dir, tmp_path):
     """--bf16 on the CPU: Trainer's autocast over float32 weights, as on a GPU."""
     out = tmp_path / "run"

@@ -81,7 +81,6 @@ def test_sft_packing_matches_the_sdpa_reference(checkpoint, dataset, tmp_path):
     assert s2 == pytest.approx(reference, rel=1e-4)
 
 
-@pytest.mark.xfail(strict=False, reason="needs the autocast fix")
 def test_sft_bf16_autocast_on_fp32_weights(checkpoint, dataset, tmp_path):
     """SFTTrainer's default precision: fp32 weights under bf16 autocast (here on the CPU)."""
     losses = sft_losses(checkpoint, dataset, tmp_path / "bf16", bf16=True, max_length=128)

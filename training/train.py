@@ -43,7 +43,6 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
-from unittest import mock
 
 import torch
 from transformers import (
@@ -51,7 +50,6 @@ from transformers import (
     AutoTokenizer,
     DataCollatorWithFlattening,
     HfArgumentParser,
-    PreTrainedConfig,
     Trainer,
     TrainingArguments,
     set_seed,
@@ -172,12 +170,6 @@ class S2Trainer(Trainer):
         card = render_model_card(self.accelerator.unwrap_model(self.model).config, self.card_metrics)
         with open(os.path.join(self.args.output_dir, "README.md"), "w", encoding="utf-8") as f:
             f.write(card)
-
-    def _load_from_checkpoint(self, *args, **kwargs):
-        # Trainer reads the checkpoint's config.json with the generic PreTrainedConfig (to compare versions), whose
-        # layer_types check refuses "s2_attention": have it read the S2 config the file holds.
-        with mock.patch.object(PreTrainedConfig, "from_json_file", S2LlamaConfig.from_json_file):
-            return super()._load_from_checkpoint(*args, **kwargs)
 
 
 def parse_sparsity(spec: str, num_layers: int, pattern: str | None, dense_layers: str):
