@@ -362,8 +362,9 @@ def summarize(args, log: MetricsLog) -> dict:
                                                                          "mean_accuracy", "accuracy")}
         elif kind == "finished":
             entry["finished_tokens"] = record["tokens"]
-    summary = {"study": args.study, "arms": arms, "device": _device_name(),
-               "note": "measured on the GPU with bench/quality_study.py; 'commands' are the runs that produced it"}
+    devices = sorted({entry["config"]["device"] for entry in arms.values() if "config" in entry})
+    summary = {"study": args.study, "arms": arms, "device": ", ".join(devices) or "unknown",
+               "note": "measured with bench/quality_study.py; 'commands' are the runs that produced each arm"}
     if "dense" in arms:
         dense = arms["dense"]
         for name, entry in arms.items():
@@ -431,9 +432,10 @@ def _command() -> str:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--study", choices=STUDIES, required=True)
-    parser.add_argument("--arm", required=True, help="convert: dense|hybrid; scratch: dense|hybrid|sparse; "
-                                                     "or 'summary' to only fold the metrics into --export_dir")
-    parser.add_argument("--data_dir", type=Path, required=True, help="train_*.bin, heldout.bin (and manifest.json)")
+    parser.add_argument("--arm", required=True,
+                        help="convert: dense|hybrid; scratch: dense|hybrid|sparse; or 'summary' to only fold "
+                             "--work_dir/metrics.jsonl (e.g. arms' exported metrics, concatenated) into --export_dir")
+    parser.add_argument("--data_dir", type=Path, help="train_*.bin, heldout.bin, manifest.json (not for 'summary')")
     parser.add_argument("--work_dir", type=Path, required=True, help="checkpoints, metrics.jsonl (kept between runs)")
     parser.add_argument("--export_dir", type=Path, default=None, help="summary JSON, metrics and PNGs (e.g. $OUT)")
     parser.add_argument("--smollm2_gguf", type=Path, default=None,
@@ -473,6 +475,8 @@ def parse_args(argv=None):
     parser.add_argument("--tiny", action="store_true",
                         help="a tiny model and pattern for CPU tests (scratch config, block 16); implies fp32")
     args = parser.parse_args(argv)
+    if args.arm != "summary" and args.data_dir is None:
+        parser.error("--data_dir is required to train or evaluate an arm")
     args.pattern = args.pattern or (TINY_PATTERN if args.tiny else DEFAULT_PATTERN)
     if args.tiny and args.config_overrides == SCRATCH_CONFIG:
         args.config_overrides = TINY_CONFIG

@@ -94,6 +94,7 @@ def test_scratch_arms_resume_exactly_and_export_a_summary(data_dir, tmp_path):
         assert resumed[step] == pytest.approx(expected[step], rel=1e-4), step
 
     summary = run(data_dir, straight, "--study", "scratch", "--arm", "sparse")
+    assert summary["device"] == "cpu"  # where the arms ran, from their config records
     assert set(summary["arms"]) == {"dense", "sparse"}
     dense, sparse = summary["arms"]["dense"], summary["arms"]["sparse"]
     assert set(dense["final_ppl"]) == {"32", "64"} and all(math.isfinite(v) for v in dense["final_ppl"].values())
@@ -106,8 +107,38 @@ def test_scratch_arms_resume_exactly_and_export_a_summary(data_dir, tmp_path):
     assert dense["curve"][0][1] == 2 * SEQ  # tokens seen after the first step
     exported = json.loads((straight / "export" / "quality_study_scratch.json").read_text())
     assert exported["arms"]["sparse"]["final_ppl"] == sparse["final_ppl"]
+    # arms run on different machines: their exported metrics, concatenated, fold into the same summary
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    exported_metrics = straight / "export" / "quality_study_scratch_metrics.jsonl"
+    (merged / quality_study.METRICS).write_text(exported_metrics.read_text())
+    again = quality_study.main(["--study", "scratch", "--arm", "summary", "--work_dir", str(merged),
+                                "--export_dir", str(merged / "export")])
+    assert again["arms"] == json.loads(json.dumps(summary["arms"]))
     if importlib.util.find_spec("matplotlib") is not None:
         assert (straight / "export" / "quality_study_scratch_loss.png").stat().st_size > 1000
+
+
+def test_demo_prints_committed_results_or_a_note(tmp_path, capsys):
+    from s2_models import demo
+
+    summary = {"study": "scratch", "device": "NVIDIA H100 80GB HBM3", "arms": {
+        "dense": {"config": {"densities": {"2048": {"model": 1.0}}}, "finished_tokens": 65_536_000,
+                  "final_ppl": {"2048": 20.0}, "retrieval": {"passkey": {"mean_accuracy": 1.0}},
+                  "commands": ["python bench/quality_study.py --study scratch --arm dense"]},
+        "hybrid": {"config": {"densities": {"2048": {"model": 0.31}}}, "finished_tokens": 65_536_000,
+                   "final_ppl": {"2048": 20.5}, "ppl_ratio_to_dense": {"2048": 1.025},
+                   "retrieval": {"passkey": {"mean_accuracy": 0.96}},
+                   "commands": ["python bench/quality_study.py --study scratch --arm hybrid"]}}}
+    (tmp_path / "quality_study_scratch.json").write_text(json.dumps(summary))
+    demo.print_trained_results(tmp_path)
+    lines = capsys.readouterr().out.splitlines()
+    convert_note = [line for line in lines if "SmolLM2" in line]
+    assert len(convert_note) == 1 and "no measured results" in convert_note[0]  # one line where nothing is committed
+    text = "\n".join(lines)
+    assert "measured on NVIDIA H100 80GB HBM3" in text
+    assert "ppl@2048 20.50" in text and "x1.025@2048" in text and "passkey 96%" in text
+    assert "reproduce (hybrid): python bench/quality_study.py --study scratch --arm hybrid" in text
 
 
 def test_convert_arm_from_a_dense_llama_checkpoint(data_dir, tmp_path):
