@@ -236,7 +236,8 @@ def train_arm(args, arm: str, log: MetricsLog, deadline: float, tokenizer_vocab:
     if (out / "final").is_dir():  # trained in an earlier run: only the evaluation may remain
         from s2_models import S2LlamaForCausalLM
 
-        return S2LlamaForCausalLM.from_pretrained(out / "final", dtype=torch.float32), True
+        model = S2LlamaForCausalLM.from_pretrained(out / "final", dtype=torch.float32)
+        return model.to("cuda" if torch.cuda.is_available() else "cpu"), True
     checkpoint = get_last_checkpoint(str(out))
     training_args = TrainingArguments(
         output_dir=str(out), max_steps=args.max_steps, per_device_train_batch_size=args.per_device_train_batch_size,

@@ -155,5 +155,9 @@ def test_convert_arm_from_a_dense_llama_checkpoint(data_dir, tmp_path):
     sparsity = hybrid["config"]["sparsity"]
     assert sparsity[0] == "dense" and sparsity[1]["homo_head"] is False and sparsity[1]["block_size"] == 16
     assert hybrid["finished_tokens"] == 3 * 2 * SEQ and set(hybrid["final_ppl"]) == {"32", "64"}
+    # the same command once the arm is done: nothing is trained or evaluated again
+    again = run(data_dir, tmp_path / "work", "--study", "convert", "--arm", "hybrid", "--base_model", str(base),
+                "--dense_layers", "0")
+    assert again["arms"]["hybrid"] == hybrid
     with pytest.raises(ValueError, match="--arm must be one of"):
         run(data_dir, tmp_path / "bad", "--study", "convert", "--arm", "sparse", "--base_model", str(base))
