@@ -320,7 +320,9 @@ def collect_documents(sources, log=print) -> tuple[dict[str, list[Document]], di
             splits[split].append(doc)
             entry["documents"][split] += 1
         log(f"{source.package:24s} {source.format:5s} {entry['documents']}  ({time.perf_counter() - begin:.0f} s)")
-    for docs in splits.values():
+    for split, docs in splits.items():
+        if not docs:
+            raise RuntimeError(f"the sources gave no {split} documents")
         docs.sort(key=lambda d: stable_order_key(d.name))
     return splits, stats
 
