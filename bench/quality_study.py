@@ -466,6 +466,8 @@ def parse_args(argv=None):
     parser.add_argument("--max_minutes", type=float, default=9.0,
                         help="this run's wall-clock budget, start-up included; training stops in time to save")
     parser.add_argument("--save_reserve_minutes", type=float, default=0.75, help="kept free for the last save")
+    parser.add_argument("--eval_part_minutes", type=float, default=2.0,
+                        help="time one part of the final evaluation may take (a part starts only if it fits)")
     parser.add_argument("--final_lengths", default="2048,8192", help="final held-out perplexity window lengths")
     parser.add_argument("--final_eval_tokens", type=int, default=262144)
     parser.add_argument("--grid_lengths", default="1024,2048,4096,6144,8192",
@@ -508,8 +510,8 @@ def main(argv=None) -> dict:
         if vocab is None:
             vocab = len(load_study_tokenizer(args))
         model, finished = train_arm(args, args.arm, log, deadline, vocab)
-        if finished:
-            complete = final_eval(args, args.arm, model, log, deadline)
+        if finished:  # each evaluation part starts only if it can end before the run's time is up
+            complete = final_eval(args, args.arm, model, log, start + 60 * (args.max_minutes - args.eval_part_minutes))
             print(f"[{args.arm}] final evaluation {'complete' if complete else 'continues in the next run'}")
         else:
             print(f"[{args.arm}] paused; run the same command again to resume")

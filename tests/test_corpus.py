@@ -114,9 +114,10 @@ def test_build_corpus_writes_pieces_and_a_manifest(tmp_path, packages):
         assert all(p["tokens"] <= 4096 for p in pieces)
     assert len(manifest["files"]["train"]) > 1 and [p["file"] for p in manifest["files"]["heldout"]] == ["heldout.bin"]
     assert json.loads((out / "manifest.json").read_text()) == manifest
-    # the same build again gives the same bytes (stable order, stale pieces removed first)
-    again = corpus.build_corpus(out, packages, tokenizer=ByteTokenizer(), piece_tokens=4096, log=lambda m: None)
-    assert again["files"] == manifest["files"]
+    # the same build again, cleaning in two processes, gives the same bytes (stale pieces are removed first)
+    again = corpus.build_corpus(out, packages, tokenizer=ByteTokenizer(), piece_tokens=4096, log=lambda m: None,
+                                jobs=2)
+    assert again["files"] == manifest["files"] and again["packages"] == manifest["packages"]
 
 
 def test_unknown_package_and_format_are_refused(tmp_path, packages):

@@ -36,6 +36,7 @@ import gzip
 import hashlib
 import html
 import json
+import multiprocessing
 import re
 import sys
 import time
@@ -68,22 +69,50 @@ class Source:
 
 
 _SPHINX = "usr/share/doc/*/html/_sources/**/*.txt"  # reStructuredText sources that Sphinx ships with its HTML
-_INFO = "usr/share/info/*.info*.gz"
+_INFO = "usr/share/info/**/*.info*.gz"
+# Sphinx HTML, for projects whose API reference is generated from docstrings (it exists only in the HTML); the
+# highlighted module sources, the copied reST sources and the static files are skipped
+_HTML = "usr/share/doc/**/*.html"
+_SPHINX_EXTRAS = r"/_modules/|/_sources/|/_static/|/_images/|/genindex|/py-modindex|/search\.html"
 
 SOURCES = (
     Source("linux-doc-6.1", "rst", (_SPHINX,)),
     Source("python3.11-doc", "rst", (_SPHINX,)),
-    Source("python-pandas-doc", "rst", (_SPHINX,)),
-    Source("python-sklearn-doc", "rst", (_SPHINX,)),
+    Source("llvm-15-doc", "rst", (_SPHINX,)),
+    Source("clang-15-doc", "rst", (_SPHINX,)),
     Source("cmake-doc", "rst", (_SPHINX,)),
     Source("sphinx-doc", "rst", (_SPHINX,)),
     Source("pypy3-doc", "rst", (_SPHINX,)),
     Source("python-flask-doc", "rst", (_SPHINX,)),
     Source("python-werkzeug-doc", "rst", (_SPHINX,)),
     Source("python-setuptools-doc", "rst", (_SPHINX,)),
-    Source("python-django-doc", "html", (f"{_DOC}/python-django-doc/html/**/*.html",), exclude="/_modules/"),
-    Source("python-scipy-doc", "html", (f"{_DOC}/python-scipy-doc/html/**/*.html",), exclude="/_modules/"),
+    Source("python-xarray-doc", "rst", (_SPHINX,)),
+    Source("python-pytest-doc", "rst", (_SPHINX,)),
+    Source("python-cryptography-doc", "rst", (_SPHINX,)),
+    Source("nova-doc", "rst", (_SPHINX,)),
+    Source("neutron-doc", "rst", (_SPHINX,)),
+    Source("swift-doc", "rst", ("usr/share/doc/swift-doc/**/_sources/**/*.txt",)),
+    Source("python-pandas-doc", "html", (_HTML,), exclude=_SPHINX_EXTRAS),
+    Source("python-sklearn-doc", "html", (_HTML,), exclude=_SPHINX_EXTRAS),
+    Source("python-scipy-doc", "html", (_HTML,), exclude=_SPHINX_EXTRAS),
+    Source("python-sympy-doc", "html", (_HTML,), exclude=_SPHINX_EXTRAS),
+    Source("python-dask-doc", "html", (_HTML,), exclude=_SPHINX_EXTRAS),
+    Source("python-statsmodels-doc", "html", (_HTML,), exclude=_SPHINX_EXTRAS),
+    Source("python-astropy-doc", "html", (_HTML,), exclude=_SPHINX_EXTRAS),
+    Source("python-ase-doc", "html", (_HTML,), exclude=_SPHINX_EXTRAS),
+    Source("python-celery-doc", "html", (_HTML,), exclude=_SPHINX_EXTRAS),
+    Source("python-scrapy-doc", "html", (_HTML,), exclude=_SPHINX_EXTRAS),
+    Source("python-tornado-doc", "html", (_HTML,), exclude=_SPHINX_EXTRAS),
+    Source("python-lxml-doc", "html", (_HTML,), exclude=_SPHINX_EXTRAS),
+    Source("python-mpmath-doc", "html", (_HTML,), exclude=_SPHINX_EXTRAS),
+    Source("keystone-doc", "html", (_HTML,), exclude=_SPHINX_EXTRAS),
+    Source("heat-doc", "html", (_HTML,), exclude=_SPHINX_EXTRAS),
+    Source("glance-doc", "html", (_HTML,), exclude=_SPHINX_EXTRAS),
+    Source("python-openstackclient-doc", "html", (_HTML,), exclude=_SPHINX_EXTRAS),
+    Source("python-django-doc", "html", (f"{_DOC}/python-django-doc/html/**/*.html",), exclude=_SPHINX_EXTRAS),
     Source("python-sqlalchemy-doc", "html", (f"{_DOC}/python-sqlalchemy-doc/html/**/*.html",)),
+    Source("python-biopython-doc", "html", (f"{_DOC}/python-biopython-doc/Doc/**/*.html",)),
+    Source("docutils-doc", "html", (f"{_DOC}/docutils-doc/**/*.html",)),
     Source("postgresql-doc-15", "html", (f"{_DOC}/postgresql-doc-15/html/*.html",)),
     Source("sqlite3-doc", "html", (f"{_DOC}/sqlite3/**/*.html",)),
     Source("apache2-doc", "html", (f"{_DOC}/apache2-doc/manual/en/**/*.html",)),
@@ -102,20 +131,24 @@ SOURCES = (
     Source("maint-guide", "html", (f"{_DOC}/maint-guide/html/*.en.html",)),
     Source("gimp-help-en", "html", ("usr/share/gimp/2.0/help/en/**/*.html",)),
     Source("libreoffice-help-en-us", "html", ("usr/share/libreoffice/help/en-US/**/*.html",)),
+    Source("kicad-doc-en", "html", (f"{_DOC}/kicad/help/en/*.html",)),
     Source("octave-doc", "html", (f"{_DOC}/octave/**/*.html",)),
     Source("maxima-doc", "html", (f"{_DOC}/maxima-doc/html/*.html",)),
+    Source("gnuplot-doc", "html", (f"{_DOC}/gnuplot/htmldocs/*.html",)),
     Source("nodejs-doc", "html", (f"{_DOC}/nodejs/api/*.html",)),
     Source("exim4-doc-html", "html", (f"{_DOC}/exim4-doc-html/**/*.html",)),
     Source("postfix-doc", "html", (f"{_DOC}/postfix/html/*.html",)),
     Source("bind9-doc", "html", (f"{_DOC}/bind9-doc/**/*.html",)),
     Source("abs-guide", "html", (f"{_DOC}/abs-guide/html/*.html",)),
     Source("zsh-doc", "html", (f"{_DOC}/zsh-common/html/*.html",)),
-    Source("vim-doc", "html", (f"{_DOC}/vim/html/*.html",)),
     Source("git-doc", "text", (f"{_DOC}/git-doc/**/*.txt",)),
     Source("autoconf-doc", "info", (_INFO,)),
     Source("binutils-doc", "info", (_INFO,)),
     Source("bash-doc", "info", (_INFO,)),
     Source("lilypond-doc", "info", (_INFO,)),
+    Source("guile-3.0-doc", "info", (_INFO,)),
+    Source("r-doc-info", "info", (_INFO,)),
+    Source("sbcl-doc", "info", (_INFO,)),
     Source("perl-doc", "pod", ("usr/share/perl/*/pod/*.pod",)),
 )
 
@@ -300,17 +333,33 @@ def stable_order_key(name: str) -> bytes:
     return hashlib.sha256(b"order:" + name.encode()).digest()
 
 
-def collect_documents(sources, log=print) -> tuple[dict[str, list[Document]], dict[str, dict]]:
-    """Every source's documents, deduplicated by text, split by name: ``({split: docs}, {package: stats})``."""
+def _source_documents(source: Source) -> tuple[list[Document], float]:
+    begin = time.perf_counter()
+    return list(iter_source_documents(source)), time.perf_counter() - begin
+
+
+def collect_documents(sources, log=print, jobs: int = 1) -> tuple[dict[str, list[Document]], dict[str, dict]]:
+    """Every source's documents, deduplicated by text, split by name: ``({split: docs}, {package: stats})``.
+
+    ``jobs`` processes clean the sources in parallel; the result does not depend on it (sources are folded in
+    order, so the first of two identical documents is the one kept)."""
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    for source in sources:  # fetch first, one at a time (apt and the cache are not for concurrent writers)
+        debian_package_tree(source.package)
     splits: dict[str, list[Document]] = {"train": [], "heldout": []}
     stats: dict[str, dict] = {}
     seen: set[bytes] = set()
-    for source in sources:
-        begin = time.perf_counter()
+    if jobs == 1:
+        results = map(_source_documents, sources)
+    else:
+        pool = multiprocessing.get_context("fork").Pool(jobs)
+        results = pool.imap(_source_documents, sources)
+    for source, (docs, seconds) in zip(sources, results):
         entry = stats.setdefault(source.package, {"formats": [], "documents": {"train": 0, "heldout": 0},
                                                   "duplicates_dropped": 0})
         entry["formats"].append(source.format)
-        for doc in iter_source_documents(source):
+        for doc in docs:
             digest = hashlib.sha1(doc.text.encode()).digest()
             if digest in seen:
                 entry["duplicates_dropped"] += 1
@@ -319,7 +368,10 @@ def collect_documents(sources, log=print) -> tuple[dict[str, list[Document]], di
             split = split_of(doc.name)
             splits[split].append(doc)
             entry["documents"][split] += 1
-        log(f"{source.package:24s} {source.format:5s} {entry['documents']}  ({time.perf_counter() - begin:.0f} s)")
+        log(f"{source.package:26s} {source.format:5s} {entry['documents']}  ({seconds:.0f} s)")
+    if jobs > 1:
+        pool.close()
+        pool.join()
     for split, docs in splits.items():
         if not docs:
             raise RuntimeError(f"the sources gave no {split} documents")
@@ -384,7 +436,8 @@ class PieceWriter:
         self._file = None
 
 
-def build_corpus(out: Path, sources=SOURCES, tokenizer=None, piece_tokens: int = PIECE_TOKENS, log=print) -> dict:
+def build_corpus(out: Path, sources=SOURCES, tokenizer=None, piece_tokens: int = PIECE_TOKENS, log=print,
+                 jobs: int = 1) -> dict:
     """Build the corpus into ``out`` (see the module docstring); returns the manifest, also written to
     ``out/manifest.json``."""
     if tokenizer is None:
@@ -397,7 +450,7 @@ def build_corpus(out: Path, sources=SOURCES, tokenizer=None, piece_tokens: int =
     for stale in [*out.glob("train_*.bin"), out / "heldout.bin"]:
         stale.unlink(missing_ok=True)
     begin = time.perf_counter()
-    splits, stats = collect_documents(sources, log)
+    splits, stats = collect_documents(sources, log, jobs)
     for entry in stats.values():
         entry["tokens"] = {"train": 0, "heldout": 0}
     files = {}
@@ -435,6 +488,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=Path, required=True, help="output folder (pieces + manifest.json)")
     parser.add_argument("--packages", default=None, help="comma-separated subset of the packages (default: all)")
     parser.add_argument("--piece-tokens", type=int, default=PIECE_TOKENS, help="tokens per training piece")
+    parser.add_argument("--jobs", type=int, default=1, help="processes that clean packages in parallel")
     args = parser.parse_args(argv)
     sources = SOURCES
     if args.packages:
@@ -443,7 +497,8 @@ def main(argv=None) -> dict:
         if unknown:
             raise ValueError(f"--packages: unknown {sorted(unknown)}; known: {sorted({s.package for s in SOURCES})}")
         sources = tuple(s for s in SOURCES if s.package in wanted)
-    manifest = build_corpus(args.out, sources, piece_tokens=args.piece_tokens, log=lambda m: print(m, flush=True))
+    manifest = build_corpus(args.out, sources, piece_tokens=args.piece_tokens, log=lambda m: print(m, flush=True),
+                            jobs=args.jobs)
     print(json.dumps({"documents": manifest["documents"], "tokens": manifest["tokens"]}, indent=2))
     return manifest
 
