@@ -273,6 +273,7 @@ def train_arm(args, arm: str, log: MetricsLog, deadline: float, tokenizer_vocab:
                       callbacks=make_callbacks(log, arm, tokens_per_step, deadline))
     if checkpoint is None:  # the starting point (for "convert": the untrained conversion) on the same held-out text
         trainer.evaluate()  # recorded at step 0 by the metrics callback
+        record_perplexities(args, arm, trainer.model, log, "initial_ppl")
     print(f"[{arm}] training from {'step 0' if checkpoint is None else checkpoint}", flush=True)
     trainer.train(resume_from_checkpoint=checkpoint)
     finished = trainer.state.global_step >= args.max_steps
@@ -287,42 +288,64 @@ def trainer_state_step(checkpoint: str) -> int:
     return json.loads((Path(checkpoint) / "trainer_state.json").read_text())["global_step"]
 
 
+def heldout_perplexity(args, model, length: int):
+    """Sliding-window perplexity in disjoint ``length``-token windows over the first ``--final_eval_tokens`` held-out
+    tokens (bf16 autocast on GPUs, as in training)."""
+    from s2_models.eval.perplexity import sliding_window_perplexity
+
+    heldout = TokenChunks([args.data_dir / "heldout.bin"], length)
+    ids = torch.from_numpy(heldout.tokens(0, min(args.final_eval_tokens // length, len(heldout)) * length)
+                           .astype(np.int64))
+    batch_size = max(1, args.per_device_eval_batch_size * 2048 // length)
+    with _autocast(model):
+        return sliding_window_perplexity(model, ids, length, batch_size=batch_size)
+
+
+def _autocast(model):
+    device = next(model.parameters()).device
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def record_perplexities(args, arm: str, model, log: MetricsLog, kind: str, deadline: float | None = None) -> bool:
+    """``kind`` ("initial_ppl" / "final_ppl") records at every ``--final_lengths`` not yet recorded; False if the
+    deadline came first."""
+    done = {r["length"] for r in log.records() if r["arm"] == arm and r["kind"] == kind}
+    model.eval()
+    for length in args.final_lengths:
+        if length in done:
+            continue
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        result = heldout_perplexity(args, model, length)
+        log.append({"arm": arm, "kind": kind, "length": length, "ppl": result.perplexity,
+                    "nll": result.nll_per_token, "tokens": result.scored_tokens})
+        print(f"[{arm}] {kind} at {length}: {result.perplexity:.3f}", flush=True)
+    return True
+
+
 def final_eval(args, arm: str, model, log: MetricsLog, deadline: float) -> bool:
     """The final evaluation's parts not yet recorded, while time remains; returns True when all are done."""
     from s2_models.eval import needle
-    from s2_models.eval.perplexity import sliding_window_perplexity
 
-    done = {(r["kind"], r.get("length"), r.get("task")) for r in log.records() if r["arm"] == arm}
-    model.eval()
-    if torch.cuda.is_available():
-        model.to(dtype=torch.bfloat16)  # evaluation in bf16, as the models would be served
-    heldout = TokenChunks([args.data_dir / "heldout.bin"], 2)
-    for length in args.final_lengths:
-        if ("final_ppl", length, None) in done:
-            continue
-        if time.monotonic() >= deadline:
-            return False
-        num = min(args.final_eval_tokens, len(heldout) * 2) // length * length
-        ids = torch.from_numpy(heldout.tokens(0, num).astype(np.int64))
-        result = sliding_window_perplexity(model, ids, length, batch_size=max(1, args.per_device_eval_batch_size *
-                                                                               2048 // length))
-        log.append({"arm": arm, "kind": "final_ppl", "length": length, "ppl": result.perplexity,
-                    "nll": result.nll_per_token, "tokens": result.scored_tokens})
-        print(f"[{arm}] held-out perplexity at {length}: {result.perplexity:.3f}", flush=True)
+    if not record_perplexities(args, arm, model, log, "final_ppl", deadline):
+        return False
     if not args.grid_lengths:
         return True
     tokenizer = load_study_tokenizer(args)
+    heldout = TokenChunks([args.data_dir / "heldout.bin"], 2)
+    done = {r["task"] for r in log.records() if r["arm"] == arm and r["kind"] == "final_grid"}
     haystack = None
     for task in needle.TASKS:
-        if ("final_grid", None, task) in done:
+        if task in done:
             continue
         if time.monotonic() >= deadline:
             return False
         if task == "needle" and haystack is None:  # held-out text, enough for a different start per sample
             num = min(len(heldout) * 2, (max(args.grid_lengths) + 1024) * (args.grid_samples + 1))
             haystack = tokenizer.decode(heldout.tokens(0, num).tolist(), skip_special_tokens=True)
-        grid = needle.run_grid(model, tokenizer, args.grid_lengths, args.grid_depths, task, haystack,
-                               args.grid_samples, progress=args.progress)
+        with _autocast(model):
+            grid = needle.run_grid(model, tokenizer, args.grid_lengths, args.grid_depths, task, haystack,
+                                   args.grid_samples, progress=args.progress)
         log.append({"arm": arm, "kind": "final_grid", "task": task, "grid": grid})
         print(f"[{arm}] {task}: {grid['mean_accuracy']:.2%} of {len(grid['cells'])}", flush=True)
     return True
@@ -343,8 +366,8 @@ def summarize(args, log: MetricsLog) -> dict:
     records = log.records()
     arms = {}
     for record in records:
-        entry = arms.setdefault(record["arm"], {"curve": [], "eval": [], "final_ppl": {}, "retrieval": {},
-                                               "commands": []})
+        entry = arms.setdefault(record["arm"], {"curve": [], "eval": [], "initial_ppl": {}, "final_ppl": {},
+                                               "retrieval": {}, "commands": []})
         kind = record["kind"]
         if kind == "config":
             entry["config"] = {k: v for k, v in record.items() if k not in ("arm", "kind", "command")}
@@ -355,8 +378,8 @@ def summarize(args, log: MetricsLog) -> dict:
                 entry["tokens_per_second"] = record["tokens_per_second"]
         elif kind == "eval":
             entry["eval"].append([record["step"], record["tokens"], record["eval_ppl"]])
-        elif kind == "final_ppl":
-            entry["final_ppl"][str(record["length"])] = record["ppl"]
+        elif kind in ("initial_ppl", "final_ppl"):
+            entry.setdefault(kind, {})[str(record["length"])] = record["ppl"]
         elif kind == "final_grid":
             grid = record["grid"]
             entry["retrieval"][record["task"]] = {k: grid[k] for k in ("context_lengths", "depths", "samples",

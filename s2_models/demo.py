@@ -123,7 +123,9 @@ def print_trained_results(results_dir: Path) -> None:
             config = entry.get("config", {})
             density = config.get("densities", {}).get("2048", {}).get("model")
             tokens = entry.get("finished_tokens")
-            ppl = "  ".join(f"ppl@{n} {value:.2f}" for n, value in entry["final_ppl"].items())
+            start = entry.get("initial_ppl", {})
+            ppl = "  ".join(f"ppl@{n} {start[n]:.2f} -> {value:.2f}" if n in start else f"ppl@{n} {value:.2f}"
+                            for n, value in entry["final_ppl"].items())
             ratio = "  ".join(f"x{value:.3f}@{n}" for n, value in entry.get("ppl_ratio_to_dense", {}).items())
             retrieval = "  ".join(f"{task} {grid['mean_accuracy']:.0%}" for task, grid in entry["retrieval"].items())
             print(f"    {arm:7s} density@2048 {density if density is not None else '?'}  "

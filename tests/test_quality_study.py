@@ -98,6 +98,7 @@ def test_scratch_arms_resume_exactly_and_export_a_summary(data_dir, tmp_path):
     assert set(summary["arms"]) == {"dense", "sparse"}
     dense, sparse = summary["arms"]["dense"], summary["arms"]["sparse"]
     assert set(dense["final_ppl"]) == {"32", "64"} and all(math.isfinite(v) for v in dense["final_ppl"].values())
+    assert set(dense["initial_ppl"]) == {"32", "64"}  # before training, on the same held-out tokens
     assert [e[0] for e in dense["eval"]] == [0, 2, 3]  # the starting point, every --eval_steps, the end
     assert dense["config"]["densities"]["64"]["model"] == 1.0
     assert all(spec != "dense" for spec in sparse["config"]["sparsity"])  # the ablation: no dense layer
@@ -127,7 +128,7 @@ def test_demo_prints_committed_results_or_a_note(tmp_path, capsys):
                   "final_ppl": {"2048": 20.0}, "retrieval": {"passkey": {"mean_accuracy": 1.0}},
                   "commands": ["python bench/quality_study.py --study scratch --arm dense"]},
         "hybrid": {"config": {"densities": {"2048": {"model": 0.31}}}, "finished_tokens": 65_536_000,
-                   "final_ppl": {"2048": 20.5}, "ppl_ratio_to_dense": {"2048": 1.025},
+                   "initial_ppl": {"2048": 38.4}, "final_ppl": {"2048": 20.5}, "ppl_ratio_to_dense": {"2048": 1.025},
                    "retrieval": {"passkey": {"mean_accuracy": 0.96}},
                    "commands": ["python bench/quality_study.py --study scratch --arm hybrid"]}}}
     (tmp_path / "quality_study_scratch.json").write_text(json.dumps(summary))
@@ -137,7 +138,7 @@ def test_demo_prints_committed_results_or_a_note(tmp_path, capsys):
     assert len(convert_note) == 1 and "no measured results" in convert_note[0]  # one line where nothing is committed
     text = "\n".join(lines)
     assert "measured on NVIDIA H100 80GB HBM3" in text
-    assert "ppl@2048 20.50" in text and "x1.025@2048" in text and "passkey 96%" in text
+    assert "ppl@2048 38.40 -> 20.50" in text and "x1.025@2048" in text and "passkey 96%" in text
     assert "reproduce (hybrid): python bench/quality_study.py --study scratch --arm hybrid" in text
 
 
