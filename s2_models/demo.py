@@ -6,7 +6,9 @@
    attention density,
 3. greedy-decodes the same prompts with the dense model and the S2 hybrid,
 4. measures held-out perplexity (Linux / Python documentation text) of both at two window lengths,
-5. prefills a long prompt and compares the KV-cache memory of the compact S2 cache with the dense cache.
+5. prefills a long prompt and compares the KV-cache memory of the compact S2 cache with the dense cache,
+6. prints the results of training with the pattern (S2 hybrid vs dense on the same tokens), as measured on a GPU by
+   ``bench/quality_study.py`` and committed under ``bench/results/`` (a one-line note where none are committed).
 
 Runs on the GPU (bf16) when there is one, otherwise on the CPU (float32) in a few minutes; no arguments needed.
 """
@@ -15,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -96,7 +100,39 @@ def main(argv=None) -> None:
         print("  (s2_models.cache_s2_llama is not available in this installation)")
     else:
         kv_cache_memory(dense, s2, ids, args.cache_tokens)
+
+    heading("6. Trained with the pattern (measured on a GPU, not in this run)")
+    print_trained_results(RESULTS_DIR)
     print(f"\ndone in {time.perf_counter() - begin:.0f} s")
+
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"  # in a source checkout
+STUDIES = {"convert": "SmolLM2-135M-Instruct, continual pretraining", "scratch": "~113M Llama from scratch"}
+
+
+def print_trained_results(results_dir: Path) -> None:
+    """The committed summaries of bench/quality_study.py: perplexity, ratio to dense and retrieval per arm."""
+    for study, title in STUDIES.items():
+        path = results_dir / f"quality_study_{study}.json"
+        if not path.is_file():
+            print(f"  {title}: no measured results at {path} (bench/quality_study.py --study {study} produces them)")
+            continue
+        summary = json.loads(path.read_text())
+        print(f"  {title}: measured on {summary['device']} ({path.name})")
+        for arm, entry in summary["arms"].items():
+            config = entry.get("config", {})
+            density = config.get("densities", {}).get("2048", {}).get("model")
+            tokens = entry.get("finished_tokens")
+            start = entry.get("initial_ppl", {})
+            ppl = "  ".join(f"ppl@{n} {start[n]:.2f} -> {value:.2f}" if n in start else f"ppl@{n} {value:.2f}"
+                            for n, value in entry["final_ppl"].items())
+            ratio = "  ".join(f"x{value:.3f}@{n}" for n, value in entry.get("ppl_ratio_to_dense", {}).items())
+            retrieval = "  ".join(f"{task} {grid['mean_accuracy']:.0%}" for task, grid in entry["retrieval"].items())
+            print(f"    {arm:7s} density@2048 {density if density is not None else '?'}  "
+                  f"tokens {tokens / 1e6 if tokens else 0:.0f}M  {ppl or 'not evaluated yet'}  {ratio}  {retrieval}")
+        for arm, entry in summary["arms"].items():
+            for command in entry.get("commands", [])[:1]:
+                print(f"    reproduce ({arm}): {command}")
 
 
 def kv_cache_memory(dense, s2, ids, length: int) -> None:

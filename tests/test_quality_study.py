@@ -1,0 +1,164 @@
+"""bench/quality_study.py on CPU: tiny models, tiny token files, a few Trainer steps per arm.
+
+Checks the memory-mapped chunking across pieces, that an interrupted and resumed arm ends exactly where an
+uninterrupted one does (same data order, optimizer and schedule), the convert path from a dense Llama checkpoint
+with the per-head shifted pattern, the final evaluation records and the exported summary.
+"""
+
+import importlib.util
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import quality_study  # noqa: E402
+
+VOCAB = 96
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """Two training pieces of odd sizes and a held-out file; a Markov-ish stream so the loss can fall."""
+    folder = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(0)
+    stream = (np.cumsum(rng.integers(0, 3, 3 * 1000)) % VOCAB).astype("<u2")
+    stream[:1037].tofile(folder / "train_000.bin")
+    stream[1037:2500].tofile(folder / "train_001.bin")
+    stream[2500:].tofile(folder / "heldout.bin")
+    manifest = {"vocab_size": VOCAB, "files": {"train": [{"file": "train_000.bin"}, {"file": "train_001.bin"}]}}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def test_token_chunks_read_across_pieces(data_dir):
+    files = [data_dir / "train_000.bin", data_dir / "train_001.bin"]
+    chunks = quality_study.TokenChunks(files, SEQ)
+    stream = np.concatenate([np.fromfile(f, dtype="<u2") for f in files])
+    assert len(chunks) == stream.size // SEQ
+    for index in (0, 1037 // SEQ, len(chunks) - 1):  # the middle one spans the two files
+        item = chunks[index]
+        assert item["input_ids"].dtype == torch.int64 and item["input_ids"] is item["labels"]
+        np.testing.assert_array_equal(item["input_ids"].numpy(), stream[index * SEQ : (index + 1) * SEQ])
+    with pytest.raises(IndexError):
+        chunks[len(chunks)]
+    assert len(quality_study.TokenChunks(files, SEQ, max_chunks=3)) == 3
+    with pytest.raises(ValueError, match="fewer than one chunk"):
+        quality_study.TokenChunks(files, 10**6)
+    with pytest.raises(ValueError, match="seq_len must be"):
+        quality_study.TokenChunks(files, 1)
+
+
+def test_missing_piece_is_refused(data_dir, tmp_path):
+    (tmp_path / "train_000.bin").write_bytes((data_dir / "train_000.bin").read_bytes())
+    (tmp_path / "manifest.json").write_text((data_dir / "manifest.json").read_text())
+    with pytest.raises(FileNotFoundError, match="train_001.bin"):
+        quality_study.train_files(tmp_path)
+
+
+def run(data_dir, work_dir, *extra):
+    return quality_study.main([
+        "--data_dir", str(data_dir), "--work_dir", str(work_dir), "--export_dir", str(work_dir / "export"),
+        "--tiny", "--max_steps", "3", "--max_seq_length", str(SEQ), "--per_device_train_batch_size", "2",
+        "--warmup_steps", "1", "--learning_rate", "3e-3", "--logging_steps", "1", "--eval_steps", "2",
+        "--eval_chunks", "2", "--save_steps", "100", "--dataloader_num_workers", "0", "--final_lengths", "32,64",
+        "--final_eval_tokens", "256", "--grid_lengths", "", "--no_progress", *extra,
+    ])
+
+
+def losses(work_dir, arm):
+    records = quality_study.MetricsLog(work_dir / quality_study.METRICS).records()
+    return {r["step"]: r["loss"] for r in records if r["arm"] == arm and r["kind"] == "train" and "loss" in r}
+
+
+def test_scratch_arms_resume_exactly_and_export_a_summary(data_dir, tmp_path):
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    run(data_dir, straight, "--study", "scratch", "--arm", "dense")
+    # a budget that runs out after the first step: the run saves a checkpoint and stops; the same command resumes
+    first = run(data_dir, interrupted, "--study", "scratch", "--arm", "dense", "--max_minutes", "0.002",
+                "--save_reserve_minutes", "0.001")
+    assert not first["arms"]["dense"]["final_ppl"]
+    assert sorted(p.name for p in (interrupted / "dense").glob("checkpoint-*")) == ["checkpoint-1"]
+    run(data_dir, interrupted, "--study", "scratch", "--arm", "dense")
+    expected, resumed = losses(straight, "dense"), losses(interrupted, "dense")
+    assert sorted(expected) == sorted(resumed) == [1, 2, 3]
+    for step in expected:
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-4), step
+
+    summary = run(data_dir, straight, "--study", "scratch", "--arm", "sparse")
+    assert summary["device"] == "cpu"  # where the arms ran, from their config records
+    assert set(summary["arms"]) == {"dense", "sparse"}
+    dense, sparse = summary["arms"]["dense"], summary["arms"]["sparse"]
+    assert set(dense["final_ppl"]) == {"32", "64"} and all(math.isfinite(v) for v in dense["final_ppl"].values())
+    assert set(dense["initial_ppl"]) == {"32", "64"}  # before training, on the same held-out tokens
+    assert [e[0] for e in dense["eval"]] == [0, 2, 3]  # the starting point, every --eval_steps, the end
+    assert dense["config"]["densities"]["64"]["model"] == 1.0
+    assert all(spec != "dense" for spec in sparse["config"]["sparsity"])  # the ablation: no dense layer
+    assert sparse["config"]["densities"]["64"]["model"] < 1.0
+    assert set(sparse["ppl_ratio_to_dense"]) == {"32", "64"}
+    assert dense["config"]["parameters"] == sparse["config"]["parameters"]
+    assert dense["curve"][0][1] == 2 * SEQ  # tokens seen after the first step
+    exported = json.loads((straight / "export" / "quality_study_scratch.json").read_text())
+    assert exported["arms"]["sparse"]["final_ppl"] == sparse["final_ppl"]
+    # arms run on different machines: their exported metrics, concatenated, fold into the same summary
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    exported_metrics = straight / "export" / "quality_study_scratch_metrics.jsonl"
+    (merged / quality_study.METRICS).write_text(exported_metrics.read_text())
+    again = quality_study.main(["--study", "scratch", "--arm", "summary", "--work_dir", str(merged),
+                                "--export_dir", str(merged / "export")])
+    assert again["arms"] == json.loads(json.dumps(summary["arms"]))
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (straight / "export" / "quality_study_scratch_loss.png").stat().st_size > 1000
+
+
+def test_demo_prints_committed_results_or_a_note(tmp_path, capsys):
+    from s2_models import demo
+
+    summary = {"study": "scratch", "device": "NVIDIA H100 80GB HBM3", "arms": {
+        "dense": {"config": {"densities": {"2048": {"model": 1.0}}}, "finished_tokens": 65_536_000,
+                  "final_ppl": {"2048": 20.0}, "retrieval": {"passkey": {"mean_accuracy": 1.0}},
+                  "commands": ["python bench/quality_study.py --study scratch --arm dense"]},
+        "hybrid": {"config": {"densities": {"2048": {"model": 0.31}}}, "finished_tokens": 65_536_000,
+                   "initial_ppl": {"2048": 38.4}, "final_ppl": {"2048": 20.5}, "ppl_ratio_to_dense": {"2048": 1.025},
+                   "retrieval": {"passkey": {"mean_accuracy": 0.96}},
+                   "commands": ["python bench/quality_study.py --study scratch --arm hybrid"]}}}
+    (tmp_path / "quality_study_scratch.json").write_text(json.dumps(summary))
+    demo.print_trained_results(tmp_path)
+    lines = capsys.readouterr().out.splitlines()
+    convert_note = [line for line in lines if "SmolLM2" in line]
+    assert len(convert_note) == 1 and "no measured results" in convert_note[0]  # one line where nothing is committed
+    text = "\n".join(lines)
+    assert "measured on NVIDIA H100 80GB HBM3" in text
+    assert "ppl@2048 38.40 -> 20.50" in text and "x1.025@2048" in text and "passkey 96%" in text
+    assert "reproduce (hybrid): python bench/quality_study.py --study scratch --arm hybrid" in text
+
+
+def test_convert_arm_from_a_dense_llama_checkpoint(data_dir, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    base = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 max_position_embeddings=256)).save_pretrained(base)
+    summary = run(data_dir, tmp_path / "work", "--study", "convert", "--arm", "hybrid", "--base_model", str(base),
+                  "--dense_layers", "0")
+    hybrid = summary["arms"]["hybrid"]
+    sparsity = hybrid["config"]["sparsity"]
+    assert sparsity[0] == "dense" and sparsity[1]["homo_head"] is False and sparsity[1]["block_size"] == 16
+    assert hybrid["finished_tokens"] == 3 * 2 * SEQ and set(hybrid["final_ppl"]) == {"32", "64"}
+    # the same command once the arm is done: nothing is trained or evaluated again
+    again = run(data_dir, tmp_path / "work", "--study", "convert", "--arm", "hybrid", "--base_model", str(base),
+                "--dense_layers", "0")
+    assert again["arms"]["hybrid"] == hybrid
+    with pytest.raises(ValueError, match="--arm must be one of"):
+        run(data_dir, tmp_path / "bad", "--study", "convert", "--arm", "sparse", "--base_model", str(base))
