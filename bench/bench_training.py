@@ -61,11 +61,12 @@ TINY_PATTERN = {"block_size": 16, "local_blocks": 2, "vert_stride": 4}
 # ---------------------------------------------------------------------------------------------- models
 def build(kind: str, shapes: dict, pattern: dict, precision: str, device: str):
     """``("dense" | "s2")`` model with gradient checkpointing, and its AdamW."""
-    if kind == "dense":
-        model = LlamaForCausalLM(LlamaConfig(**shapes, attn_implementation="sdpa"))
-    else:
-        sparsity = hybrid_sparsity(shapes["num_hidden_layers"], pattern, dense_layers=DENSE_LAYERS)
-        model = S2LlamaForCausalLM(S2LlamaConfig(**shapes, sparsity=sparsity))
+    with torch.device(device):  # initialized where it runs: a 1B-parameter init on the CPU takes long
+        if kind == "dense":
+            model = LlamaForCausalLM(LlamaConfig(**shapes, attn_implementation="sdpa"))
+        else:
+            sparsity = hybrid_sparsity(shapes["num_hidden_layers"], pattern, dense_layers=DENSE_LAYERS)
+            model = S2LlamaForCausalLM(S2LlamaConfig(**shapes, sparsity=sparsity))
     model.to(device, torch.bfloat16 if precision == "bf16" else torch.float32).train()
     model.config.use_cache = False
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns there

@@ -73,3 +73,13 @@ def test_all_dense_eager_weights_equal_llama():
     for a, e in zip(actual, expected):
         torch.testing.assert_close(a[1], e[1])
         torch.testing.assert_close(a[0][:, real[0]], e[0][:, real[0]])  # padded query rows: no meaning in either
+
+
+def test_eager_generation_returns_the_attentions_of_every_step():
+    model = tiny_model(attn_implementation="eager")
+    ids = tokens(1, 40)
+    out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None,
+                         output_attentions=True, return_dict_in_generate=True)
+    heads = model.config.num_attention_heads
+    assert [step[0].shape for step in out.attentions] == [(1, heads, 40, 40), (1, heads, 1, 41), (1, heads, 1, 42)]
+    assert all(len(step) == model.config.num_hidden_layers for step in out.attentions)
