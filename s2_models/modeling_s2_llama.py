@@ -31,7 +31,7 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
 )
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
@@ -54,11 +54,14 @@ def s2_padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, ma
     """Mask function of the ``"s2"`` implementation: the ``[B, Tk]`` bool key padding mask, ``None`` without padding.
 
     Both layer kinds take it as is (causality and the sparse pattern are implicit), so no ``T x T`` mask is made.
-    Registered so that transformers hands the padding mask to the attention function at all.
+    Registered so that transformers hands the padding mask to the attention function at all. While compiling, the
+    mask is passed on unread (checking it for padding is a host sync; the S2 op skips an all-real mask itself).
     """
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:]
+    if is_torchdynamo_compiling():
+        return attention_mask
     return None if bool(attention_mask.all()) else attention_mask
 
 
@@ -160,9 +163,17 @@ def s2_reference_mask(pattern: S2Pattern, num_q_heads, num_kv_heads, q_length, s
 
 def packed_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor | None:
     """``int32`` offsets of the sequences packed in ``position_ids [B, T]`` (rows flattened), where a position that
-    does not follow its predecessor starts a new sequence; ``None`` if every row holds one sequence."""
+    does not follow its predecessor starts a new sequence; ``None`` if every row holds one sequence.
+
+    While compiling (no host syncs) the offsets have a fixed size, ``B * T + 1``: the unused ones repeat the end
+    (empty sequences, which ``s2_attention`` skips), and rows without restarts come out as one sequence each."""
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    if is_torchdynamo_compiling():
+        starts = starts.flatten()
+        index = torch.arange(starts.numel(), device=starts.device)
+        offsets = torch.where(starts, index, starts.numel()).sort().values
+        return torch.cat([offsets, offsets.new_full((1,), starts.numel())]).to(torch.int32)
     if not bool(starts[:, 1:].any()):
         return None
     offsets = starts.flatten().nonzero().squeeze(-1)
@@ -299,7 +310,7 @@ class S2LlamaPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = True  # all-dense models only: sparse layers need "s2", "sdpa" or "eager"
     _supports_sdpa = True
     _supports_flex_attn = False
-    _can_compile_fullgraph = False  # the "s2" path reads sequence lengths on the host
+    _can_compile_fullgraph = True  # the kernels are custom ops; host-side work happens inside them
     _supports_attention_backend = True
     _can_record_outputs = {
         "hidden_states": S2LlamaDecoderLayer,
@@ -396,11 +407,11 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
             if cu_seqlens is None and position_ids is not None:
                 cu_seqlens = packed_cu_seqlens(position_ids.expand(inputs_embeds.shape[0], -1))
                 if cu_seqlens is not None and self.config._attn_implementation == S2_IMPLEMENTATION:
-                    max_length = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-                    kwargs.update(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_length,
-                                  max_length_k=max_length)
+                    kwargs.update(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens)  # the kernels find the lengths
 
-        if use_cache and past_key_values is None and cu_seqlens is None:
+        # While compiling no default cache is built: the compact cache's bookkeeping runs on the host (to compile
+        # decoding, pass an S2StaticCache, as generate(cache_implementation="static") does).
+        if use_cache and past_key_values is None and cu_seqlens is None and not is_torchdynamo_compiling():
             past_key_values = DynamicCache(config=self.config)
 
         if position_ids is None:
@@ -446,11 +457,21 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
         )
         masks = {FULL_ATTENTION: full_mask}
         patterns = {layer.self_attn.s2_pattern for layer in self.layers} - {None}
+        if attention_mask is not None and attention_mask.dim() != 2:  # a custom 4-D mask (transformers' convention)
+            if patterns:
+                raise ValueError(
+                    f"attention_mask of shape {tuple(attention_mask.shape)}: sparse layers build their own masks from "
+                    "a [B, T] padding mask (or position_ids / cu_seq_lens for packed sequences); custom 4-D masks are "
+                    "not supported"
+                )
+            if self.config._attn_implementation == S2_IMPLEMENTATION:
+                raise ValueError(
+                    f'attention_mask of shape {tuple(attention_mask.shape)}: attn_implementation="s2" takes a [B, T] '
+                    'padding mask; for a custom 4-D mask use attn_implementation="sdpa" or "eager"'
+                )
         if self.config._attn_implementation == S2_IMPLEMENTATION:
             masks.update(dict.fromkeys(patterns, full_mask))  # the padding mask; the kernels apply the pattern
             return masks
-        if patterns and attention_mask is not None and attention_mask.dim() != 2:
-            raise ValueError("sparse layers build their own masks: pass a [B, T] padding mask, not a 4-D mask")
 
         batch_size, q_length = inputs_embeds.shape[:2]
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0

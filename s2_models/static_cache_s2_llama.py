@@ -30,10 +30,10 @@ from .cache_s2_llama import S2CacheLayer
 from .configuration_s2_llama import DENSE
 from .kernels.decode import s2_cache_append, s2_decode_attention
 from .kernels.interface import dense_attention
-from .kernels.pattern import S2Pattern
+from .kernels.pattern import DENSE_PATTERN, S2Pattern
 
 # Every block is vertical (one residue, stride 1) and nothing is local: all blocks kept, in position order.
-DENSE_LAYER_PATTERN = S2Pattern(block_size=128, local_blocks=1, vert_stride=1)
+DENSE_LAYER_PATTERN = DENSE_PATTERN
 
 
 class S2StaticLayer(S2CacheLayer):
