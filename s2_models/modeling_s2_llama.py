@@ -448,14 +448,6 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
                 "S2 models build their own masks from the [B, T] padding mask: transformers' StaticCache is not "
                 'supported; use cache_implementation="static" (an S2StaticCache) or the default dynamic cache'
             )
-        full_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            position_ids=position_ids,
-        )
-        masks = {FULL_ATTENTION: full_mask}
         patterns = {layer.self_attn.s2_pattern for layer in self.layers} - {None}
         if attention_mask is not None and attention_mask.dim() != 2:  # a custom 4-D mask (transformers' convention)
             if patterns:
@@ -469,6 +461,16 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
                     f'attention_mask of shape {tuple(attention_mask.shape)}: attn_implementation="s2" takes a [B, T] '
                     'padding mask; for a custom 4-D mask use attn_implementation="sdpa" or "eager"'
                 )
+        if attention_mask is None and self.config._attn_implementation == S2_IMPLEMENTATION:
+            return dict.fromkeys([FULL_ATTENTION, *patterns], None)  # what the "s2" mask function gives, unbuilt
+        full_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+        masks = {FULL_ATTENTION: full_mask}
         if self.config._attn_implementation == S2_IMPLEMENTATION:
             masks.update(dict.fromkeys(patterns, full_mask))  # the padding mask; the kernels apply the pattern
             return masks
@@ -524,9 +526,10 @@ class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
         ```
 
         With an ``S2StaticCache`` (``generate(..., cache_implementation="static")``), decode steps on CUDA without
-        gradients replay a captured CUDA graph of this forward."""
+        gradients replay a captured CUDA graph of this forward, unless ``generate`` is given a ``compile_config``:
+        then transformers' ``torch.compile``d forward runs them."""
         cache = past_key_values
-        if isinstance(cache, S2StaticCache) and cache.graphs_apply(
+        if isinstance(cache, S2StaticCache) and not is_torchdynamo_compiling() and cache.graphs_apply(
             input_ids, inputs_embeds, labels, kwargs.get("output_attentions"), kwargs.get("output_hidden_states")
         ):
             if position_ids is None:  # what S2LlamaModel would compute: the next position of every row
@@ -565,6 +568,36 @@ class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
         )
 
+
+    def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
+        """transformers compiles the decode steps over any compileable cache on CUDA; over an ``S2StaticCache`` only
+        when ``compile_config`` is given: by default the cache replays its own CUDA graphs."""
+        if isinstance(model_kwargs.get("past_key_values"), S2StaticCache) and generation_config.compile_config is None:
+            return False
+        return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
+
+    def get_compiled_call(self, compile_config):
+        """transformers' compiled forward; over an ``S2StaticCache`` the layers' Python bookkeeping (room, token
+        counts), which the compiled step skips, runs around it."""
+        compiled_call = super().get_compiled_call(compile_config)
+
+        def call(*args, **kwargs):
+            cache = kwargs.get("past_key_values")
+            if not isinstance(cache, S2StaticCache):
+                return compiled_call(*args, **kwargs)
+            new_tokens = kwargs["input_ids"] if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
+            with cache.counted_outside_layers(new_tokens.shape[1]):
+                return compiled_call(*args, **kwargs)
+
+        return call
+
+    def create_masks_for_generate(self, attention_mask=None, past_key_values=None, **kwargs):
+        """What ``generate`` passes as the mask over a compileable cache (an ``S2StaticCache``): the ``[B, T]`` padding
+        mask for the prompt, nothing for decode steps (one real token per row; the cache holds each row's length),
+        so that compiled steps take inputs of one shape."""
+        if isinstance(past_key_values, S2StaticCache) and past_key_values.get_seq_length() > 0:
+            return None
+        return attention_mask
 
     def _prepare_static_cache(self, cache_implementation, batch_size, max_cache_len, prefill_chunk_size, model_kwargs):
         """``generate(..., cache_implementation="static")`` gets an ``S2StaticCache`` (transformers' ``StaticCache``
