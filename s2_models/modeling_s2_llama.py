@@ -474,6 +474,8 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
         if self.config._attn_implementation == S2_IMPLEMENTATION:
             masks.update(dict.fromkeys(patterns, full_mask))  # the padding mask; the kernels apply the pattern
             return masks
+        if not patterns:
+            return masks
 
         batch_size, q_length = inputs_embeds.shape[:2]
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
