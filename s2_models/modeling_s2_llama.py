@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface, GenerationMixin
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_masks_for_generate
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
@@ -593,13 +593,13 @@ class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
 
         return call
 
-    def create_masks_for_generate(self, attention_mask=None, past_key_values=None, **kwargs):
-        """What ``generate`` passes as the mask over a compileable cache (an ``S2StaticCache``): the ``[B, T]`` padding
-        mask for the prompt, nothing for decode steps (one real token per row; the cache holds each row's length),
-        so that compiled steps take inputs of one shape."""
-        if isinstance(past_key_values, S2StaticCache) and past_key_values.get_seq_length() > 0:
-            return None
-        return attention_mask
+    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values, *args, **kwargs):
+        """What ``generate`` passes as the mask over a compileable cache. Over an ``S2StaticCache``: the ``[B, T]``
+        padding mask for the prompt, nothing for decode steps (one real token per row; the cache holds each row's
+        length), so that compiled steps take inputs of one shape. Other caches get transformers' masks."""
+        if not isinstance(past_key_values, S2StaticCache):
+            return create_masks_for_generate(config, inputs_embeds, attention_mask, past_key_values, *args, **kwargs)
+        return None if past_key_values.get_seq_length() > 0 else attention_mask
 
     def _prepare_static_cache(self, cache_implementation, batch_size, max_cache_len, prefill_chunk_size, model_kwargs):
         """``generate(..., cache_implementation="static")`` gets an ``S2StaticCache`` (transformers' ``StaticCache``
