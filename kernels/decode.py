@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from .interface import BACKENDS, OP_NAMESPACE, check_scale, pattern_from_ints, pattern_to_ints, use_triton
+from .interface import OP_NAMESPACE, check_backend, check_scale, pattern_from_ints, pattern_to_ints, use_triton
 from .pattern import S2Pattern
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: PyTorch path only
@@ -192,8 +192,7 @@ def s2_cache_append(k_cache, v_cache, key, value, seq_lens, layout: CompactLayou
     On CUDA one Triton launch does it; decoding calls this once per layer and step. Runs as the custom op
     ``s2::cache_append`` (mutating the caches), so ``torch.compile`` traces it without a graph break.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_backend(backend)
     cache_append_op(k_cache, v_cache, key, value, seq_lens, pattern_to_ints(layout.pattern), layout.num_q_heads,
                     layout.ring_blocks, num_ring_slots, backend)
 
@@ -282,8 +281,7 @@ def s2_decode_attention(
     scale = check_scale(scale, q.shape[-1])
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be an integer >= 1, got {num_splits!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_backend(backend)
     return decode_attention_op(q, k_cache, v_cache, seq_lens, pattern_to_ints(layout.pattern), layout.ring_blocks,
                                num_ring_slots, scale, backend, num_splits)
 

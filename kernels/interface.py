@@ -134,8 +134,7 @@ def s2_attention(
         raise ValueError("pass exactly one of pattern (an S2Pattern) or block_mask (with block_size)")
     if pattern is not None and not isinstance(pattern, S2Pattern):
         raise ValueError(f"pattern must be an S2Pattern, got {type(pattern).__name__}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_backend(backend)  # the rest of the backend's checks (device, Triton) run inside the op
     out, lse = attention_op(
         q, k, v, None if pattern is None else pattern_to_ints(pattern), block_mask, block_size, causal, scale, backend,
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attention_mask,
@@ -249,7 +248,7 @@ def _check_varlen(q, k, causal, cu_q, cu_k, max_q, max_k) -> Varlen:
     for name, given, actual in (("max_seqlen_q", max_q, actual_q), ("max_seqlen_k", max_k, actual_k)):
         if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < actual):
             raise ValueError(f"{name} must be an int >= the longest sequence ({actual}), got {given!r}")
-    if 0 in lens_k:  # empty sequences (e.g. the unused offsets of a compiled model's packing) get no programs
+    if 0 in lens_k and any(lens_k):  # empty sequences (e.g. a compiled model's unused offsets) get no programs
         nonempty = [0] + [s + 1 for s, length in enumerate(lens_k) if length]
         cu_q, cu_k = (torch.tensor([host[i] for i in nonempty]) for host in (host_q, host_k))
     device = q.device
@@ -303,10 +302,14 @@ def _resolve_layout(q, k, pattern, block_mask, block_size, causal, max_seqlen_k)
     return BlockLayout(block_mask, block_size, causal, None)
 
 
-def use_triton(backend: str, q: torch.Tensor) -> bool:
-    """Whether ``backend`` runs Triton for inputs like ``q`` (``"auto"``: on CUDA); refuses what Triton can't run."""
+def check_backend(backend) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def use_triton(backend: str, q: torch.Tensor) -> bool:
+    """Whether ``backend`` runs Triton for inputs like ``q`` (``"auto"``: on CUDA); refuses what Triton can't run."""
+    check_backend(backend)
     if not (backend == "triton" or (backend == "auto" and q.is_cuda)):
         return False
     if q.dtype == torch.float64:

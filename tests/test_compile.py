@@ -145,8 +145,11 @@ def test_compiled_static_cache_generation_equals_eager():
     counters.clear()
     eager = model.generate(ids, cache_implementation="static", **kwargs)
     assert not counters["stats"]["unique_graphs"] and not hasattr(model, "_compiled_call")
-    compiled = model.generate(ids, cache_implementation="static", compile_config=compile_config_for_cpu(), **kwargs)
-    assert counters["stats"]["unique_graphs"] == 1  # every decode step ran the one graph
+    config = compile_config_for_cpu()
+    compiled = model.generate(ids, cache_implementation="static", compile_config=config, **kwargs)
+    again = model.generate(ids, cache_implementation="static", compile_config=config, **kwargs)  # a fresh cache
+    assert counters["stats"]["unique_graphs"] == 1  # every decode step of both calls ran the one graph
+    assert torch.equal(again.sequences, compiled.sequences)
     assert isinstance(compiled.past_key_values, S2StaticCache)
     assert torch.equal(compiled.sequences, eager.sequences)
     torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), atol=1e-5, rtol=1e-5)
@@ -185,9 +188,11 @@ def test_compiled_training_step_on_cuda_equals_eager(dtype):
         torch._dynamo.reset()
         compiled_loss, compiled_grads = loss_and_grads(model, torch.compile(step, fullgraph=True), ids)
         eager_loss, eager_grads = loss_and_grads(model, step, ids)
-        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        tol = 1e-4 if dtype == torch.float32 else 2e-2  # Inductor fuses and rounds differently in bfloat16
         torch.testing.assert_close(compiled_loss, eager_loss, atol=tol, rtol=tol)
-        torch.testing.assert_close(compiled_grads, eager_grads, atol=tol, rtol=tol)
+        for name, grad in eager_grads.items():
+            error = (compiled_grads[name].float() - grad.float()).norm() / grad.float().norm().clamp(min=1e-12)
+            assert error < tol, (name, float(error))
 
 
 @pytest.mark.gpu
@@ -198,6 +203,7 @@ def test_compiled_static_generation_on_cuda_equals_cuda_graphs(dtype):
     from test_static_cache import assert_same_steps
 
     torch.manual_seed(0)
+    torch._dynamo.reset()
     model = cached_model().to("cuda", dtype)
     ids, mask = left_padded(length=300, device="cuda")
     kwargs = dict(attention_mask=mask, max_new_tokens=40, output_logits=True, return_dict_in_generate=True, **GREEDY)
