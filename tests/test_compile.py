@@ -19,7 +19,7 @@ from s2_models.kernels.decode import (
     s2_cache_append,
     slot_blocks,
 )
-from s2_models.kernels.interface import attention_backward_op, attention_op, pattern_to_ints
+from s2_models.kernels.interface import attention_backward_op, attention_op, pattern_from_ints, pattern_to_ints
 from s2_models.kernels.pattern import S2Pattern
 from s2_models.static_cache_s2_llama import S2StaticCache
 
@@ -35,6 +35,17 @@ def attention_args(q, k, pattern=PATTERN, backend="torch", cu_seqlens=None, atte
 
 def qkv(b, t, hq=4, hkv=2, d=16, dtype=torch.float32):
     return tuple(torch.randn(b, h, t, d, dtype=dtype, requires_grad=True) for h in (hq, hkv, hkv))
+
+
+@pytest.mark.parametrize("pattern", [
+    PATTERN,
+    S2Pattern(block_size=32, local_blocks=3, vert_stride=5, homo_head=True, head_sliding_offset=0),
+    S2Pattern(block_size=64, local_blocks=2, vert_stride=8, head_sliding_step=3, num_dense_heads=1,
+              per_query_head=True),
+], ids=repr)
+def test_patterns_pass_through_the_ops_unchanged(pattern):
+    """The ops take the pattern as ``int[]`` (their schema has no dataclass type): every field survives."""
+    assert pattern_from_ints(tuple(pattern_to_ints(pattern))) == pattern
 
 
 @pytest.mark.parametrize("case", ["plain", "padded", "packed", "triton"])
