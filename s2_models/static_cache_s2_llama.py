@@ -16,7 +16,8 @@ Use: the first forward is the prompt (any length, left padding allowed, the patt
 real token as with ``S2CacheLayer``); after it, one new token per row per forward, which is what ``generate()``
 does. Those tokens are all real: a decode step does not read the padding mask. CUDA graphs are used for decode
 steps without gradients (``torch.no_grad``/``inference_mode``, as in ``generate``) when ``cuda_graphs=True``
-(default); everywhere else the same code runs eagerly.
+(default); everywhere else the same code runs eagerly. ``generate(..., compile_config=CompileConfig(...))`` runs
+transformers' ``torch.compile``d decode step instead of these graphs (the layers then trace only their device work).
 """
 
 from __future__ import annotations
