@@ -24,11 +24,12 @@ Only torch is imported here; Triton is imported on first use (``decode_triton.py
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-from .interface import check_scale, use_triton
+from .interface import OP_NAMESPACE, check_backend, check_scale, pattern_from_ints, pattern_to_ints, use_triton
 from .layouts import CompactLayout
 from .pattern import S2Pattern
 
@@ -84,13 +85,36 @@ def s2_cache_append(k_cache, v_cache, key, value, seq_lens, layout: CompactLayou
     ``key/value [B, Hkv, Tq, D]``: row ``b``'s token ``t`` sits at position ``seq_lens[b] - Tq + t``; negative
     positions (left padding of a row that is still empty) are skipped. ``k_cache/v_cache [B, Hkv, S * bs, D]`` in
     ``layout`` with ``num_ring_slots`` ring slots, with room for the new blocks (see ``ring_blocks_for``).
-    On CUDA one Triton launch does it; decoding calls this once per layer and step.
+    On CUDA one Triton launch does it; decoding calls this once per layer and step. Runs as the custom op
+    ``s2::cache_append`` (mutating the caches), so ``torch.compile`` traces it without a graph break.
     """
+    check_backend(backend)
+    cache_append_op(k_cache, v_cache, key, value, seq_lens, pattern_to_ints(layout.pattern), layout.num_q_heads,
+                    layout.ring_blocks, num_ring_slots, backend)
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::cache_append", mutates_args=("k_cache", "v_cache"))
+def cache_append_op(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    seq_lens: torch.Tensor, pattern: list[int], num_q_heads: int, ring_blocks: int,
+                    num_ring_slots: int, backend: str) -> None:
+    """``s2_cache_append`` with the layout as ``(pattern_to_ints(pattern), num_q_heads, ring_blocks)``."""
+    layout = _layout_from_ints(tuple(pattern), num_q_heads, key.shape[1], ring_blocks)
     if not use_triton(backend, key):
         return _cache_append_torch(k_cache, v_cache, key, value, seq_lens, layout, num_ring_slots)
     from .decode_triton import cache_append_triton
 
-    return cache_append_triton(k_cache, v_cache, key, value, seq_lens, layout, num_ring_slots)
+    cache_append_triton(k_cache, v_cache, key, value, seq_lens, layout, num_ring_slots)
+
+
+@cache_append_op.register_fake
+def _cache_append_fake(*args) -> None:
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_from_ints(pattern: tuple[int, ...], num_q_heads: int, num_kv_heads: int, ring_blocks: int):
+    """The ``CompactLayout`` an op's arguments describe (one instance per layout, so its tables stay cached)."""
+    return CompactLayout(pattern_from_ints(pattern), num_q_heads, num_kv_heads, ring_blocks)
 
 
 def _cache_append_torch(k_cache, v_cache, key, value, seq_lens, layout, num_ring):
@@ -145,19 +169,38 @@ def s2_decode_attention(
         num_splits: split-KV factor of the Triton kernel (default: enough programs to fill the GPU).
 
     Returns:
-        ``[B, Hq, Tq, D]`` in q's dtype; rows of padding queries (or that see no key) are 0.
+        ``[B, Hq, Tq, D]`` in q's dtype (contiguous); rows of padding queries (or that see no key) are 0.
+
+    Runs as the custom op ``s2::decode_attention``, so ``torch.compile`` traces it without a graph break.
     """
     _check_inputs(q, k_cache, v_cache, seq_lens, layout, num_ring_slots)
     scale = check_scale(scale, q.shape[-1])
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be an integer >= 1, got {num_splits!r}")
+    check_backend(backend)
+    return decode_attention_op(q, k_cache, v_cache, seq_lens, pattern_to_ints(layout.pattern), layout.ring_blocks,
+                               num_ring_slots, scale, backend, num_splits)
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::decode_attention", mutates_args=())
+def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+                        pattern: list[int], ring_blocks: int, num_ring_slots: int, scale: float, backend: str,
+                        num_splits: int | None) -> torch.Tensor:
+    """``s2_decode_attention`` with the layout as ``(pattern_to_ints(pattern), ring_blocks)`` (heads from shapes)."""
+    layout = _layout_from_ints(tuple(pattern), q.shape[1], k_cache.shape[1], ring_blocks)
     if not use_triton(backend, q):
         return decode_attention_torch(q, k_cache, v_cache, seq_lens, layout, num_ring_slots, scale)
     try:
         from .decode_triton import decode_attention_triton
     except ImportError as e:  # no Triton on this machine
         raise ValueError(f'backend="triton" needs Triton, which failed to import: {e}') from e
-    return decode_attention_triton(q, k_cache, v_cache, seq_lens, layout, num_ring_slots, scale, num_splits)
+    return decode_attention_triton(q, k_cache, v_cache, seq_lens, layout, num_ring_slots, scale,
+                                   num_splits).contiguous()
+
+
+@decode_attention_op.register_fake
+def _decode_attention_fake(q, *args):
+    return q.new_empty(q.shape)
 
 
 def _check_inputs(q, k_cache, v_cache, seq_lens, layout, num_ring_slots):

@@ -1,28 +1,37 @@
 """``s2_attention``: the one public entry point. Validates, resolves the sparsity, unpads, and dispatches.
 
-Backends (``torch_impl.s2_attention_torch`` and ``triton_impl.s2_attention_triton``) share one contract::
+``s2_attention`` checks what the shapes tell, then calls the custom op ``s2::attention`` (its backward:
+``s2::attention_backward``), so that ``torch.compile(fullgraph=True)`` traces it as one opaque node with a fake
+(meta) implementation and registered autograd. Everything that reads data on the host (the ``cu_seqlens``, the
+padding mask, the block lists the kernels build and cache) happens inside the ops.
 
-    out, lse = backend(q, k, v, layout, scale, varlen)
+Backends (``torch_impl``: ``s2_attention_torch`` / ``s2_attention_torch_bwd``; ``triton_impl``: the launchers
+``s2_attention_fwd`` / ``s2_attention_bwd``) share one contract::
+
+    out, lse = forward(q, k, v, layout, scale, varlen)
+    dq, dk, dv = backward(q, k, v, out, lse, dout, dlse, layout, scale, varlen)   # dlse may be None
     # q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] (any strides); varlen: B == 1 and ``varlen`` holds cu_seqlens
     # out [B, Hq, Tq, D] in q's dtype, lse [B, Hq, Tq] float32 (float64 for float64 inputs; natural log, -inf
     # for rows that see nothing)
 
-Both are differentiable in q, k, v (and through lse). Queries are bottom-right aligned per sequence.
+Queries are bottom-right aligned per sequence.
 Only torch is imported here: Triton is imported on first use, so this file also runs where Triton is absent.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
+import re
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .layouts import BlockLayout, Varlen
-from .pattern import S2Pattern, check_block_size
+from .pattern import DENSE_PATTERN, S2Pattern, check_block_size
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: PyTorch path only
 BACKENDS = ("auto", "triton", "torch")
@@ -82,22 +91,20 @@ def s2_attention(
 
     if attention_mask is not None and cu_seqlens_q is not None:
         raise ValueError("pass either attention_mask (padded batch) or cu_seqlens_q/cu_seqlens_k (packed), not both")
-    varlen = None
-    if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        varlen = _check_varlen(q, k, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    elif q.shape[2] > k.shape[2]:
+    if cu_seqlens_q is None and cu_seqlens_k is None and q.shape[2] > k.shape[2]:
         raise ValueError(
             f"the query length Tq={q.shape[2]} must be <= the key length Tk={k.shape[2]} (queries are bottom-right "
             "aligned to the keys)"
         )
-    max_seqlen_k = varlen.max_seqlen_k if varlen is not None else k.shape[2]
-    layout = _resolve_layout(q, k, pattern, block_mask, block_size, causal, max_seqlen_k)
-    run = _select_backend(backend, q)
-
-    if attention_mask is not None:
-        out, lse = _run_padded(run, q, k, v, layout, scale, attention_mask)
-    else:
-        out, lse = run(q, k, v, layout, scale, varlen)
+    if (pattern is None) == (block_mask is None):
+        raise ValueError("pass exactly one of pattern (an S2Pattern) or block_mask (with block_size)")
+    if pattern is not None and not isinstance(pattern, S2Pattern):
+        raise ValueError(f"pattern must be an S2Pattern, got {type(pattern).__name__}")
+    check_backend(backend)  # the rest of the backend's checks (device, Triton) run inside the op
+    out, lse = attention_op(
+        q, k, v, None if pattern is None else pattern_to_ints(pattern), block_mask, block_size, causal, scale, backend,
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attention_mask,
+    )
     return (out, lse) if return_lse else out
 
 
@@ -112,15 +119,14 @@ def dense_attention(query, key, value, scale, dropout=0.0, key_padding_mask=None
     """Causal dense attention through SDPA, queries bottom-right aligned; same inputs as ``s2_attention``.
 
     ``query [B, Hq, Tq, D]``, ``key/value [B, Hkv, Tk, D]`` -> ``[B, Hq, Tq, D]``. Rows of padded queries are 0.
-    Packed sequences (``cu_seqlens_*``, ``B == 1``) run one by one, so no block-diagonal mask is built.
+    Packed sequences (``cu_seqlens_*``, ``B == 1``) run the S2 op with a pattern that keeps every block: a varlen
+    FlashAttention, with no block-diagonal mask and no host sync outside the op (it has no dropout).
     """
     if cu_seqlens_q is not None:
-        cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        pieces = [
-            dense_attention(query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1], scale, dropout)
-            for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])
-        ]
-        return torch.cat(pieces, dim=2)
+        if dropout:
+            raise ValueError(f"packed sequences run without attention dropout, got dropout={dropout}")
+        return s2_attention(query, key, value, DENSE_PATTERN, scale=scale, cu_seqlens_q=cu_seqlens_q,
+                            cu_seqlens_k=cu_seqlens_k)
     tq, tk = query.shape[2], key.shape[2]
     if key_padding_mask is None and (tq == tk or tq == 1):
         # Unmasked: FlashAttention-class kernels on CUDA (a single query sees every key).
@@ -208,6 +214,9 @@ def _check_varlen(q, k, causal, cu_q, cu_k, max_q, max_k) -> Varlen:
     for name, given, actual in (("max_seqlen_q", max_q, actual_q), ("max_seqlen_k", max_k, actual_k)):
         if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < actual):
             raise ValueError(f"{name} must be an int >= the longest sequence ({actual}), got {given!r}")
+    if 0 in lens_k and any(lens_k):  # empty sequences (e.g. a compiled model's unused offsets) get no programs
+        nonempty = [0] + [s + 1 for s, length in enumerate(lens_k) if length]
+        cu_q, cu_k = (torch.tensor([host[i] for i in nonempty]) for host in (host_q, host_k))
     device = q.device
     return Varlen(
         cu_seqlens_q=cu_q.to(device=device, dtype=torch.int32),
@@ -231,11 +240,7 @@ def bucket_num_blocks(num_blocks: int) -> int:
 
 def _resolve_layout(q, k, pattern, block_mask, block_size, causal, max_seqlen_k) -> BlockLayout:
     hq, hkv = q.shape[1], k.shape[1]
-    if (pattern is None) == (block_mask is None):
-        raise ValueError("pass exactly one of pattern (an S2Pattern) or block_mask (with block_size)")
     if pattern is not None:
-        if not isinstance(pattern, S2Pattern):
-            raise ValueError(f"pattern must be an S2Pattern, got {type(pattern).__name__}")
         if block_size is not None and block_size != pattern.block_size:
             raise ValueError(f"block_size={block_size} contradicts pattern.block_size={pattern.block_size}")
         num_heads = pattern.num_pattern_heads(hq, hkv)
@@ -263,10 +268,14 @@ def _resolve_layout(q, k, pattern, block_mask, block_size, causal, max_seqlen_k)
     return BlockLayout(block_mask, block_size, causal, None)
 
 
-def use_triton(backend: str, q: torch.Tensor) -> bool:
-    """Whether ``backend`` runs Triton for inputs like ``q`` (``"auto"``: on CUDA); refuses what Triton can't run."""
+def check_backend(backend) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def use_triton(backend: str, q: torch.Tensor) -> bool:
+    """Whether ``backend`` runs Triton for inputs like ``q`` (``"auto"``: on CUDA); refuses what Triton can't run."""
+    check_backend(backend)
     if not (backend == "triton" or (backend == "auto" and q.is_cuda)):
         return False
     if q.dtype == torch.float64:
@@ -277,15 +286,16 @@ def use_triton(backend: str, q: torch.Tensor) -> bool:
 
 
 def _select_backend(backend: str, q: torch.Tensor):
+    """The ``(forward, backward)`` functions of the backend that runs inputs like ``q``."""
     if not use_triton(backend, q):
-        from .torch_impl import s2_attention_torch
+        from .torch_impl import s2_attention_torch, s2_attention_torch_bwd
 
-        return s2_attention_torch
+        return s2_attention_torch, s2_attention_torch_bwd
     try:
-        from .triton_impl import s2_attention_triton
+        from .triton_impl import s2_attention_bwd, s2_attention_fwd
     except ImportError as e:  # no Triton on this machine
         raise ValueError(f'backend="triton" needs Triton, which failed to import: {e}') from e
-    return s2_attention_triton
+    return s2_attention_fwd, s2_attention_bwd
 
 
 # ---------------------------------------------------------------------------------------------- padding
@@ -317,18 +327,147 @@ def padding_to_varlen(attention_mask: torch.Tensor, q_len: int):
     return q_index, k_index, varlen
 
 
-def _run_padded(run, q, k, v, layout, scale, attention_mask):
-    b, hq, tq, d = q.shape
-    tk = k.shape[2]
+def _pack_rows(x, index):
+    """``[B, H, T, *E] -> [1, H, n, *E]``: the rows ``index`` of the flattened ``B * T`` rows (``None`` stays)."""
+    return None if x is None else x.transpose(1, 2).flatten(0, 1)[index].transpose(0, 1).unsqueeze(0)
+
+
+def _unpack_rows(x, index, batch, length, fill):
+    """Inverse of ``_pack_rows``: ``[1, H, n, *E] -> [B, H, T, *E]``, every other row ``fill``."""
+    rows = x[0].transpose(0, 1)  # [n, H, *E]
+    full = rows.new_full((batch * length, *rows.shape[1:]), fill).index_copy(0, index, rows)
+    return full.view(batch, length, *rows.shape[1:]).transpose(1, 2)
+
+
+def _padding_index(q, k, attention_mask):
+    b, tk = k.shape[0], k.shape[2]
     if attention_mask.shape != (b, tk):
         raise ValueError(f"attention_mask must have shape [B, Tk] = {[b, tk]}, got {list(attention_mask.shape)}")
-    q_index, k_index, varlen = padding_to_varlen(attention_mask.to(q.device), tq)
+    return padding_to_varlen(attention_mask.to(q.device), q.shape[2])
 
-    def pack(x, index):  # [B, H, T, D] -> [1, H, n, D]
-        return x.transpose(1, 2).flatten(0, 1)[index].transpose(0, 1).unsqueeze(0)
 
-    out_packed, lse_packed = run(pack(q, q_index), pack(k, k_index), pack(v, k_index), layout, scale, varlen)
-    out = q.new_zeros(b * tq, hq, d).index_copy(0, q_index, out_packed[0].transpose(0, 1))
-    lse = torch.full((b * tq, hq), -math.inf, device=q.device, dtype=lse_packed.dtype)
-    lse = lse.index_copy(0, q_index, lse_packed[0].transpose(0, 1))
-    return out.view(b, tq, hq, d).transpose(1, 2), lse.view(b, tq, hq).transpose(1, 2)
+def _run_padded(run, q, k, v, layout, scale, attention_mask):
+    """``run`` (a backend's forward) on the real tokens of a padded batch; padded query rows give 0 (lse -inf)."""
+    q_index, k_index, varlen = _padding_index(q, k, attention_mask)
+    out, lse = run(_pack_rows(q, q_index), _pack_rows(k, k_index), _pack_rows(v, k_index), layout, scale, varlen)
+    b, tq = q.shape[0], q.shape[2]
+    return _unpack_rows(out, q_index, b, tq, 0.0), _unpack_rows(lse, q_index, b, tq, -math.inf)
+
+
+def _run_padded_backward(run_backward, q, k, v, out, lse, dout, dlse, layout, scale, attention_mask):
+    """``run_backward`` (a backend's backward) on the real tokens; padding gets zero gradients."""
+    q_index, k_index, varlen = _padding_index(q, k, attention_mask)
+    at_q, at_k = (lambda x: _pack_rows(x, q_index)), (lambda x: _pack_rows(x, k_index))
+    dq, dk, dv = run_backward(at_q(q), at_k(k), at_k(v), at_q(out), at_q(lse), at_q(dout), at_q(dlse), layout, scale,
+                              varlen)
+    b, tq, tk = q.shape[0], q.shape[2], k.shape[2]
+    return _unpack_rows(dq, q_index, b, tq, 0.0), _unpack_rows(dk, k_index, b, tk, 0.0), _unpack_rows(dv, k_index, b,
+                                                                                                   tk, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------- custom ops
+# The package's ops live in the namespace "s2"; a checkpoint's flat copy of these files (trust_remote_code) gets a
+# namespace of its own, so loading one never replaces the installed package's ops (and re-loading one redefines
+# only its own).
+OP_NAMESPACE = "s2" if __package__ == "s2_models.kernels" else "s2_" + re.sub(r"\W", "_", __package__ or "flat")
+_PATTERN_FIELDS = S2Pattern.field_names()
+
+
+def pattern_to_ints(pattern: S2Pattern) -> list[int]:
+    """An ``S2Pattern`` as the op argument ``int[]``: its fields in order, ``None`` as 0, bools as 0/1."""
+    return [int(getattr(pattern, name) or 0) for name in _PATTERN_FIELDS]
+
+
+@functools.lru_cache(maxsize=64)
+def pattern_from_ints(values: tuple[int, ...]) -> S2Pattern:
+    """Inverse of ``pattern_to_ints``."""
+    fields = dict(zip(_PATTERN_FIELDS, values))
+    fields["homo_head"], fields["per_query_head"] = bool(fields["homo_head"]), bool(fields["per_query_head"])
+    fields["head_sliding_step"] = fields["head_sliding_step"] or None
+    return S2Pattern(**fields)
+
+
+def _resolve_call(q, k, pattern, block_mask, block_size, causal, backend, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                  max_seqlen_k, attention_mask):
+    """The host-side part of a call (inside the ops): ``(layout, varlen, attention_mask, (forward, backward))``."""
+    varlen = None
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        varlen = _check_varlen(q, k, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if attention_mask is not None and attention_mask.shape == (k.shape[0], k.shape[2]) and bool(attention_mask.all()):
+        attention_mask = None  # nothing padded: no packing
+    max_seqlen_k = varlen.max_seqlen_k if varlen is not None else k.shape[2]
+    pattern = None if pattern is None else pattern_from_ints(tuple(pattern))
+    layout = _resolve_layout(q, k, pattern, block_mask, block_size, causal, max_seqlen_k)
+    return layout, varlen, attention_mask, _select_backend(backend, q)
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::attention", mutates_args=())
+def attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: list[int] | None, block_mask: torch.Tensor | None,
+    block_size: int | None, causal: bool, scale: float, backend: str, cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int | None, max_seqlen_k: int | None,
+    attention_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s2_attention``'s arguments (pattern as ``pattern_to_ints``) -> ``(out [B, Hq, Tq, D], lse [B, Hq, Tq])``,
+    both contiguous."""
+    layout, varlen, attention_mask, (forward, _) = _resolve_call(
+        q, k, pattern, block_mask, block_size, causal, backend, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k, attention_mask,
+    )
+    if attention_mask is not None:
+        out, lse = _run_padded(forward, q, k, v, layout, scale, attention_mask)
+    else:
+        out, lse = forward(q, k, v, layout, scale, varlen)
+    return out.contiguous(), lse.contiguous()
+
+
+@attention_op.register_fake
+def _attention_fake(q, k, v, *args):
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=lse_dtype)
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::attention_backward", mutates_args=())
+def attention_backward_op(
+    dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, pattern: list[int] | None, block_mask: torch.Tensor | None,
+    block_size: int | None, causal: bool, scale: float, backend: str, cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int | None, max_seqlen_k: int | None,
+    attention_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``attention_op`` with respect to q, k, v (contiguous); ``dlse`` ``None`` when lse is unused."""
+    layout, varlen, attention_mask, (_, backward) = _resolve_call(
+        q, k, pattern, block_mask, block_size, causal, backend, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k, attention_mask,
+    )
+    if attention_mask is not None:
+        grads = _run_padded_backward(backward, q, k, v, out, lse, dout, dlse, layout, scale, attention_mask)
+    else:
+        grads = backward(q, k, v, out, lse, dout, dlse, layout, scale, varlen)
+    return tuple(grad.contiguous() for grad in grads)
+
+
+@attention_backward_op.register_fake
+def _attention_backward_fake(dout, dlse, q, k, v, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _attention_setup_context(ctx, inputs, output):
+    q, k, v, *arguments = inputs  # arguments: pattern ... attention_mask, passed on to the backward
+    ctx.tensor_positions = [i for i, argument in enumerate(arguments) if isinstance(argument, torch.Tensor)]
+    ctx.save_for_backward(q, k, v, *output, *(arguments[i] for i in ctx.tensor_positions))
+    ctx.arguments = [None if i in ctx.tensor_positions else argument for i, argument in enumerate(arguments)]
+
+
+def _attention_backward(ctx, dout, dlse):
+    q, k, v, out, lse, *tensor_arguments = ctx.saved_tensors
+    arguments = list(ctx.arguments)
+    for i, tensor in zip(ctx.tensor_positions, tensor_arguments):
+        arguments[i] = tensor
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = attention_backward_op(dout, dlse, q, k, v, out, lse, *arguments)
+    return dq, dk, dv, *(None for _ in arguments)
+
+
+attention_op.register_autograd(_attention_backward, setup_context=_attention_setup_context)

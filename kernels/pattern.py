@@ -144,6 +144,10 @@ class S2Pattern:
         return (kept / (pairs.sum() * num_heads)).item()
 
 
+# Every block kept: one vertical residue (stride 1) and no local window. Dense attention through the S2 kernels.
+DENSE_PATTERN = S2Pattern(block_size=128, local_blocks=1, vert_stride=1)
+
+
 @functools.lru_cache(maxsize=16)  # masks are [P, N, N] on the device: keep few
 def _block_mask(pattern: S2Pattern, num_heads: int, m: int, n: int, causal: bool, device: str) -> torch.Tensor:
     i = torch.arange(m, device=device)[None, :, None]  # [1, M, 1]

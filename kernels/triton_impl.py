@@ -1,9 +1,10 @@
 """Triton S2-Attention: block-sparse FlashAttention-2 forward and a deterministic two-kernel backward.
 
-Entry point ``s2_attention_triton(q, k, v, layout, scale, varlen) -> (out, lse)``, per the backend contract in
-``interface.py``. Call chain (as in flash-linear-attention): ``s2_attention_fwd_kernel`` -> ``s2_attention_fwd`` ->
-``S2AttentionFunction`` -> ``s2_attention_triton``; backward: ``s2_attention_bwd_preprocess_kernel`` (delta),
-``s2_attention_bwd_dq_kernel`` and ``s2_attention_bwd_dkdv_kernel`` -> ``s2_attention_bwd``.
+Entry points: the launchers ``s2_attention_fwd`` and ``s2_attention_bwd``, per the backend contract in
+``interface.py``. Call chain: ``s2_attention_fwd_kernel`` -> ``s2_attention_fwd`` -> the custom op ``s2::attention``
+(``interface.attention_op``, whose registered autograd calls ``s2::attention_backward``) -> ``s2_attention``;
+backward: ``s2_attention_bwd_preprocess_kernel`` (delta), ``s2_attention_bwd_dq_kernel`` and
+``s2_attention_bwd_dkdv_kernel`` -> ``s2_attention_bwd``.
 
 Kernel tiles are decoupled from the sparsity granularity ``block_size``:
 
@@ -782,32 +783,3 @@ def s2_attention_bwd(
     launch_dq(_pick_config("dq", problem.tune_key, head_dim, q.device, launch_dq))
     launch_dkdv(_pick_config("dkdv", problem.tune_key, head_dim, q.device, launch_dkdv))
     return dq, dk, dv
-
-
-# ============================================================================================== autograd
-class S2AttentionFunction(torch.autograd.Function):
-    """Differentiable in q, k, v, through both ``out`` and ``lse``."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, layout: BlockLayout, scale: float, varlen: Varlen | None):
-        out, lse = s2_attention_fwd(q, k, v, layout, scale, varlen)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout, ctx.scale, ctx.varlen = layout, scale, varlen
-        ctx.set_materialize_grads(False)  # an unused lse (or out) arrives as None: skip its work
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = s2_attention_bwd(q, k, v, out, lse, dout, dlse, ctx.layout, ctx.scale, ctx.varlen)
-        return dq, dk, dv, None, None, None
-
-
-def s2_attention_triton(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout, scale: float, varlen: Varlen | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Backend entry (contract in ``interface.py``): ``q [B, Hq, Tq, D]``, ``k``/``v [B, Hkv, Tk, D]`` (any strides)
-    -> ``out [B, Hq, Tq, D]`` (q's dtype), ``lse [B, Hq, Tq]`` float32. Differentiable in q, k, v and through lse."""
-    return S2AttentionFunction.apply(q, k, v, layout, scale, varlen)

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface, GenerationMixin
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMode
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_masks_for_generate
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
     GenericForSequenceClassification,
@@ -60,11 +60,14 @@ def s2_padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, ma
     """Mask function of the ``"s2"`` implementation: the ``[B, Tk]`` bool key padding mask, ``None`` without padding.
 
     Both layer kinds take it as is (causality and the sparse pattern are implicit), so no ``T x T`` mask is made.
-    Registered so that transformers hands the padding mask to the attention function at all.
+    Registered so that transformers hands the padding mask to the attention function at all. While compiling, the
+    mask is passed on unread (checking it for padding is a host sync; the S2 op skips an all-real mask itself).
     """
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:]
+    if is_torchdynamo_compiling():
+        return attention_mask
     return None if bool(attention_mask.all()) else attention_mask
 
 
@@ -189,9 +192,17 @@ def s2_reference_mask(pattern: S2Pattern, num_q_heads, num_kv_heads, q_length, s
 
 def packed_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor | None:
     """``int32`` offsets of the sequences packed in ``position_ids [B, T]`` (rows flattened), where a position that
-    does not follow its predecessor starts a new sequence; ``None`` if every row holds one sequence."""
+    does not follow its predecessor starts a new sequence; ``None`` if every row holds one sequence.
+
+    While compiling (no host syncs) the offsets have a fixed size, ``B * T + 1``: the unused ones repeat the end
+    (empty sequences, which ``s2_attention`` skips), and rows without restarts come out as one sequence each."""
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    if is_torchdynamo_compiling():
+        starts = starts.flatten()
+        index = torch.arange(starts.numel(), device=starts.device)
+        offsets = torch.where(starts, index, starts.numel()).sort().values
+        return torch.cat([offsets, offsets.new_full((1,), starts.numel())]).to(torch.int32)
     if not bool(starts[:, 1:].any()):
         return None
     offsets = starts.flatten().nonzero().squeeze(-1)
@@ -339,7 +350,7 @@ class S2LlamaPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = True  # all-dense models only: sparse layers need "s2", "sdpa" or "eager"
     _supports_sdpa = True
     _supports_flex_attn = False
-    _can_compile_fullgraph = False  # the "s2" path reads sequence lengths on the host
+    _can_compile_fullgraph = True  # the kernels are custom ops; host-side work happens inside them
     _supports_attention_backend = True
     _can_record_outputs = {
         "hidden_states": S2LlamaDecoderLayer,
@@ -455,11 +466,11 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
             if cu_seqlens is None and position_ids is not None:
                 cu_seqlens = packed_cu_seqlens(position_ids.expand(inputs_embeds.shape[0], -1))
                 if cu_seqlens is not None and self.config._attn_implementation == S2_IMPLEMENTATION:
-                    max_length = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-                    kwargs.update(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_length,
-                                  max_length_k=max_length)
+                    kwargs.update(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens)  # the kernels find the lengths
 
-        if use_cache and past_key_values is None and cu_seqlens is None:
+        # While compiling no default cache is built: the compact cache's bookkeeping runs on the host (to compile
+        # decoding, pass an S2StaticCache, as generate(cache_implementation="static") does).
+        if use_cache and past_key_values is None and cu_seqlens is None and not is_torchdynamo_compiling():
             past_key_values = DynamicCache(config=self.config)
         if not is_torchdynamo_compiling():  # host-side checks and cache set-up (none of it is device work)
             self._check_padding_mask(attention_mask, inputs_embeds, past_key_values)
@@ -513,6 +524,21 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
                 "S2 models build their own masks from the [B, T] padding mask: transformers' StaticCache is not "
                 'supported; use cache_implementation="static" (an S2StaticCache) or the default dynamic cache'
             )
+        patterns = {layer.self_attn.s2_pattern for layer in self.layers} - {None}
+        if attention_mask is not None and attention_mask.dim() != 2:  # a custom 4-D mask (transformers' convention)
+            if patterns:
+                raise ValueError(
+                    f"attention_mask of shape {tuple(attention_mask.shape)}: sparse layers build their own masks from "
+                    "a [B, T] padding mask (or position_ids / cu_seq_lens for packed sequences); custom 4-D masks are "
+                    "not supported"
+                )
+            if self.config._attn_implementation == S2_IMPLEMENTATION:
+                raise ValueError(
+                    f'attention_mask of shape {tuple(attention_mask.shape)}: attn_implementation="s2" takes a [B, T] '
+                    'padding mask; for a custom 4-D mask use attn_implementation="sdpa" or "eager"'
+                )
+        if attention_mask is None and self.config._attn_implementation == S2_IMPLEMENTATION:
+            return dict.fromkeys([FULL_ATTENTION, *patterns], None)  # what the "s2" mask function gives, unbuilt
         full_mask = create_causal_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
@@ -521,12 +547,11 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
             position_ids=position_ids,
         )
         masks = {FULL_ATTENTION: full_mask}
-        patterns = {layer.self_attn.s2_pattern for layer in self.layers} - {None}
         if self.config._attn_implementation == S2_IMPLEMENTATION:
             masks.update(dict.fromkeys(patterns, full_mask))  # the padding mask; the kernels apply the pattern
             return masks
-        if patterns and attention_mask is not None and attention_mask.dim() != 2:
-            raise ValueError("sparse layers build their own masks: pass a [B, T] padding mask, not a 4-D mask")
+        if not patterns:
+            return masks
 
         batch_size, q_length = inputs_embeds.shape[:2]
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
@@ -579,9 +604,10 @@ class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
         ```
 
         With an ``S2StaticCache`` (``generate(..., cache_implementation="static")``), decode steps on CUDA without
-        gradients replay a captured CUDA graph of this forward."""
+        gradients replay a captured CUDA graph of this forward, unless ``generate`` is given a ``compile_config``:
+        then transformers' ``torch.compile``d forward runs them."""
         cache = past_key_values
-        if isinstance(cache, S2StaticCache) and cache.graphs_apply(
+        if isinstance(cache, S2StaticCache) and not is_torchdynamo_compiling() and cache.graphs_apply(
             input_ids, inputs_embeds, labels, kwargs.get("output_attentions"), kwargs.get("output_hidden_states")
         ):
             if position_ids is None:  # what S2LlamaModel would compute: the next position of every row
@@ -633,6 +659,36 @@ class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
             drafts = max(generation_config.prompt_lookup_num_tokens or 0, generation_config.num_assistant_tokens or 0)
             set_default_rollback(cache, max(self.config.s2_rollback_tokens, int(drafts)))
         return result
+
+    def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
+        """transformers compiles the decode steps over any compileable cache on CUDA; over an ``S2StaticCache`` only
+        when ``compile_config`` is given: by default the cache replays its own CUDA graphs."""
+        if isinstance(model_kwargs.get("past_key_values"), S2StaticCache) and generation_config.compile_config is None:
+            return False
+        return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
+
+    def get_compiled_call(self, compile_config):
+        """transformers' compiled forward; over an ``S2StaticCache`` the layers' Python bookkeeping (room, token
+        counts), which the compiled step skips, runs around it."""
+        compiled_call = super().get_compiled_call(compile_config)
+
+        def call(*args, **kwargs):
+            cache = kwargs.get("past_key_values")
+            if not isinstance(cache, S2StaticCache):
+                return compiled_call(*args, **kwargs)
+            new_tokens = kwargs["input_ids"] if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
+            with cache.counted_outside_layers(new_tokens.shape[1]):
+                return compiled_call(*args, **kwargs)
+
+        return call
+
+    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values, *args, **kwargs):
+        """What ``generate`` passes as the mask over a compileable cache. Over an ``S2StaticCache``: the ``[B, T]``
+        padding mask for the prompt, nothing for decode steps (one real token per row; the cache holds each row's
+        length), so that compiled steps take inputs of one shape. Other caches get transformers' masks."""
+        if not isinstance(past_key_values, S2StaticCache):
+            return create_masks_for_generate(config, inputs_embeds, attention_mask, past_key_values, *args, **kwargs)
+        return None if past_key_values.get_seq_length() > 0 else attention_mask
 
     def _prepare_static_cache(self, cache_implementation, batch_size, max_cache_len, prefill_chunk_size, model_kwargs):
         """``generate(..., cache_implementation="static")`` gets an ``S2StaticCache`` (transformers' ``StaticCache``

@@ -16,24 +16,27 @@ Use: the first forward is the prompt (any length, left padding allowed, the patt
 real token as with ``S2CacheLayer``); after it, one new token per row per forward, which is what ``generate()``
 does. Those tokens are all real: a decode step does not read the padding mask. CUDA graphs are used for decode
 steps without gradients (``torch.no_grad``/``inference_mode``, as in ``generate``) when ``cuda_graphs=True``
-(default); everywhere else the same code runs eagerly.
+(default); everywhere else the same code runs eagerly. ``generate(..., compile_config=CompileConfig(...))`` runs
+transformers' ``torch.compile``d decode step instead of these graphs (the layers then trace only their device work).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 from transformers.cache_utils import Cache
+from transformers.utils import is_torchdynamo_compiling
 
 from .cache_s2_llama import S2CacheLayer
 from .configuration_s2_llama import DENSE
 from .kernels.decode import s2_cache_append, s2_decode_attention
 from .kernels.interface import dense_attention
-from .kernels.pattern import S2Pattern
+from .kernels.pattern import DENSE_PATTERN, S2Pattern
 
 # Every block is vertical (one residue, stride 1) and nothing is local: all blocks kept, in position order.
-DENSE_LAYER_PATTERN = S2Pattern(block_size=128, local_blocks=1, vert_stride=1)
+DENSE_LAYER_PATTERN = DENSE_PATTERN
 # Rope types whose frequencies transformers recomputes on the host from the length seen: a replayed graph would keep
 # the captured ones (and capture cannot read the length), so their decode steps run eagerly.
 LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
@@ -44,7 +47,9 @@ class S2StaticLayer(S2CacheLayer):
     tokens need, allocated by the prompt and written in place afterwards (see the module docstring)."""
 
     _layer_type = None  # built by S2StaticCache, not through transformers' layer-type mappings
-    is_compileable = False  # graph capture is S2StaticCache's own; transformers must not torch.compile around it
+    # Decode steps compile (fixed storage, lengths on the device); generate() compiles them only when given a
+    # compile_config, and replays S2StaticCache's own CUDA graphs otherwise (S2LlamaForCausalLM decides).
+    is_compileable = True
     is_croppable = False  # one token per step: assisted generation (which crops) needs the dynamic cache
 
     def __init__(self, pattern: S2Pattern | None, max_cache_len: int):
@@ -70,14 +75,18 @@ class S2StaticLayer(S2CacheLayer):
             '"eager") need the default dynamic cache'
         )
 
-    def update_and_attend(self, query, key, value, pattern, **kwargs) -> torch.Tensor:
-        """``S2CacheLayer.update_and_attend`` with ``pattern=None`` for dense layers."""
+    def update_and_attend(self, query, key, value, pattern, *, scaling=None, backend="auto", **kwargs) -> torch.Tensor:
+        """``S2CacheLayer.update_and_attend`` with ``pattern=None`` for dense layers. While compiling (a decode step
+        after the eager prompt, see ``S2StaticCache.counted_outside_layers``) only the device work is traced."""
         if pattern != self.model_pattern:
             raise ValueError(
                 f"this static cache layer was built for the pattern {self.model_pattern} (None: dense), but the "
                 f"model's layer has {pattern}: build the cache from the model's config"
             )
-        return super().update_and_attend(query, key, value, pattern or DENSE_LAYER_PATTERN, **kwargs)
+        if is_torchdynamo_compiling():
+            return self._append_and_attend(query, key, value, scaling, backend)
+        return super().update_and_attend(query, key, value, pattern or DENSE_LAYER_PATTERN, scaling=scaling,
+                                         backend=backend, **kwargs)
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove != 0:
@@ -115,12 +124,22 @@ class S2StaticLayer(S2CacheLayer):
                 "chunks with the default dynamic cache"
             )
         self.check_room(tq)
-        self.seq_lens.add_(tq)  # in place: a captured graph keeps reading this tensor
+        out = self._append_and_attend(query, key, value, scaling, backend)
+        self.num_seen = num_seen
+        return out
+
+    def _append_and_attend(self, query, key, value, scaling, backend):
+        """The device work of a decode step: no host reads, so CUDA graphs and torch.compile capture it."""
+        self.seq_lens.add_(query.shape[2])  # in place: a captured graph keeps reading this tensor
         s2_cache_append(self.keys, self.values, key, value, self.seq_lens, self.layout, num_ring_slots=self.num_ring,
                         backend=backend)
-        self.num_seen = num_seen
         return s2_decode_attention(query, self.keys, self.values, self.seq_lens, self.layout,
                                    num_ring_slots=self.num_ring, scale=scaling, backend=backend)
+
+    def _store_prompt(self, *args, **kwargs):
+        super()._store_prompt(*args, **kwargs)
+        for storage in (self.keys, self.values, self.seq_lens):  # fixed addresses: compiled steps need no copies
+            torch._dynamo.mark_static_address(storage)
 
     def _select_rows(self, index: torch.Tensor, name: str, allow_resize: bool = False) -> None:
         """Rows reordered in place (captured graphs keep their addresses); the batch size cannot change."""
@@ -192,21 +211,27 @@ class S2StaticCache(Cache):
         """``step(input_ids, position_ids) -> logits`` (one decode step of the model over this cache), replayed as
         a CUDA graph: the first step of a shape runs eagerly (Triton compiles, cuBLAS picks its kernels), the
         second captures the graph, every step from then on replays it. Returns a copy of the logits."""
-        for layer in self.layers:
-            layer.check_room(input_ids.shape[1])  # replays skip the layers' Python checks
         shape = (tuple(input_ids.shape), tuple(position_ids.shape))
         if shape not in self._graphs and shape not in self._warmed_up:
             self._warmed_up.add(shape)
             return step(input_ids, position_ids)
+        with self.counted_outside_layers(input_ids.shape[1]):  # replays skip the layers' Python bookkeeping
+            if shape not in self._graphs:
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                self._graphs[shape] = _CapturedStep(step, input_ids, position_ids, self._pool)
+            return self._graphs[shape].replay(input_ids, position_ids)
+
+    @contextlib.contextmanager
+    def counted_outside_layers(self, num_new_tokens: int):
+        """Around a decode step whose layers do no Python bookkeeping (a replayed CUDA graph, a compiled step):
+        checks the room before (a ``ValueError`` when full) and counts the step's tokens after."""
+        for layer in self.layers:
+            layer.check_room(num_new_tokens)
         seen = [layer.num_seen for layer in self.layers]
-        if shape not in self._graphs:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            self._graphs[shape] = _CapturedStep(step, input_ids, position_ids, self._pool)
-        logits = self._graphs[shape].replay(input_ids, position_ids)
-        for layer, count in zip(self.layers, seen):  # what the replayed update_and_attend calls did on the GPU
-            layer.num_seen = count + input_ids.shape[1]
-        return logits
+        yield
+        for layer, count in zip(self.layers, seen):
+            layer.num_seen = count + num_new_tokens
 
 
 class _CapturedStep:
