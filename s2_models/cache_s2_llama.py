@@ -113,6 +113,10 @@ class S2CacheLayer(DynamicLayer):
         is the length to keep (its legacy form). A compact layer goes back at most ``max_crop()`` columns."""
         if not self.is_compact:
             return super().crop(tokens_to_remove)
+        if isinstance(tokens_to_remove, torch.Tensor) and tokens_to_remove.numel() == 1 and not (
+            tokens_to_remove.is_floating_point() or tokens_to_remove.dtype == torch.bool
+        ):  # transformers 5.17's assisted decoding passes the count of rejected drafts as a tensor
+            tokens_to_remove = int(tokens_to_remove)
         if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
             raise ValueError(f"tokens_to_remove must be an integer, got {tokens_to_remove!r}")
         remove = -tokens_to_remove if tokens_to_remove <= 0 else max(0, self.num_seen - tokens_to_remove)

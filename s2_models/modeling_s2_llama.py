@@ -677,7 +677,7 @@ class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
             if not isinstance(cache, S2StaticCache):
                 return compiled_call(*args, **kwargs)
             new_tokens = kwargs["input_ids"] if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
-            with cache.counted_outside_layers(new_tokens.shape[1]):
+            with cache.compiled_step(new_tokens.shape[1]):
                 return compiled_call(*args, **kwargs)
 
         return call

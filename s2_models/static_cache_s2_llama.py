@@ -183,6 +183,9 @@ class S2StaticCache(Cache):
         self._graphs: dict[tuple, _CapturedStep] = {}
         self._warmed_up: set[tuple] = set()
         self._pool = None
+        # Set while transformers' compiled decode step (generate's compile_config) drives the cache: dynamo may run
+        # some frames of that step eagerly, and those must not start a capture of this cache's own graphs inside it.
+        self.in_compiled_step = False
 
     def reset(self) -> None:
         """Empty every layer; the next forward is a new prompt (captured graphs point at freed storage: dropped)."""
@@ -197,6 +200,7 @@ class S2StaticCache(Cache):
         absent or false."""
         return (
             self.cuda_graphs
+            and not self.in_compiled_step
             and isinstance(input_ids, torch.Tensor)
             and input_ids.is_cuda
             and input_ids.dim() == 2
@@ -221,6 +225,17 @@ class S2StaticCache(Cache):
                     self._pool = torch.cuda.graph_pool_handle()
                 self._graphs[shape] = _CapturedStep(step, input_ids, position_ids, self._pool)
             return self._graphs[shape].replay(input_ids, position_ids)
+
+    @contextlib.contextmanager
+    def compiled_step(self, num_new_tokens: int):
+        """Around one call of transformers' compiled forward: no graphs of this cache's own inside it, and the
+        layers' bookkeeping done outside (``counted_outside_layers``)."""
+        self.in_compiled_step = True
+        try:
+            with self.counted_outside_layers(num_new_tokens):
+                yield
+        finally:
+            self.in_compiled_step = False
 
     @contextlib.contextmanager
     def counted_outside_layers(self, num_new_tokens: int):
