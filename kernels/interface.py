@@ -35,6 +35,9 @@ from .pattern import DENSE_PATTERN, S2Pattern, check_block_size
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: PyTorch path only
 BACKENDS = ("auto", "triton", "torch")
+# Device types with an autocast mode, looked up once: torch.amp.is_autocast_available is a graph break for dynamo
+# (torch 2.11).
+AUTOCAST_DEVICE_TYPES = tuple(t for t in ("cpu", "cuda", "xpu", "mps", "hpu") if torch.amp.is_autocast_available(t))
 
 
 def s2_attention(
@@ -466,7 +469,12 @@ def _attention_backward(ctx, dout, dlse):
         arguments[i] = tensor
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = attention_backward_op(dout, dlse, q, k, v, out, lse, *arguments)
+    # The backward runs in the forward's dtypes: an autocast region around loss.backward() (common in training
+    # loops) must not turn the PyTorch path's float32 math into 16-bit matmuls.
+    with torch.autocast(q.device.type, enabled=False) if q.device.type in AUTOCAST_DEVICE_TYPES else (
+        contextlib.nullcontext()
+    ):
+        dq, dk, dv = attention_backward_op(dout, dlse, q, k, v, out, lse, *arguments)
     return dq, dk, dv, *(None for _ in arguments)
 
 

@@ -43,7 +43,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .cache_s2_llama import S2CacheLayer, s2_cache_layer, set_default_rollback
 from .configuration_s2_llama import DENSE, FULL_ATTENTION, S2_ATTENTION, S2LlamaConfig
-from .kernels.interface import dense_attention, s2_attention
+from .kernels.interface import AUTOCAST_DEVICE_TYPES, dense_attention, s2_attention
 from .kernels.pattern import S2Pattern, token_mask
 from .static_cache_s2_llama import S2StaticCache
 
@@ -80,7 +80,7 @@ def attend_as_autocast_op(attend, query, key, value):
     is off inside so that the PyTorch path keeps its float32 math (its matmuls would otherwise run in 16 bits).
     """
     device_type = query.device.type
-    if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+    if device_type not in AUTOCAST_DEVICE_TYPES or not torch.is_autocast_enabled(device_type):
         return attend(query, key, value)
     dtype = torch.get_autocast_dtype(device_type)
     query, key, value = (x.to(dtype) if x.dtype != torch.float64 else x for x in (query, key, value))

@@ -138,6 +138,27 @@ def test_fullgraph_training_step_equals_eager(inputs):
         assert not torch.allclose(unmasked_loss, eager_loss)
 
 
+
+def test_fullgraph_training_step_under_autocast_equals_eager():
+    """What Trainer(bf16=True, torch_compile=True) runs: fp32 weights under bf16 autocast, loss.backward() inside the
+    autocast region; no graph break (the autocast checks trace), and eager's loss and gradients."""
+    torch.manual_seed(0)
+    model = tiny_model(num_hidden_layers=2, sparsity=["dense", {"block_size": 16, "local_blocks": 1,
+                                                                "vert_stride": 3}]).train()
+    ids = tokens(2, 40)
+
+    def step(ids):
+        return model(input_ids=ids, labels=ids).loss
+
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled_loss, compiled_grads = loss_and_grads(
+            model, torch.compile(step, backend="aot_eager", fullgraph=True), ids
+        )
+        eager_loss, eager_grads = loss_and_grads(model, step, ids)
+    torch.testing.assert_close(compiled_loss, eager_loss, atol=0, rtol=0)
+    torch.testing.assert_close(compiled_grads, eager_grads, atol=0, rtol=0)
+
 def compile_config_for_cpu(**kwargs):
     config = CompileConfig(backend="aot_eager", fullgraph=True, **kwargs)
     config._compile_all_devices = True  # transformers compiles on CPU only when told to
