@@ -233,6 +233,9 @@ class S2LlamaAttention(nn.Module):
         # (transformers loads each remote module with its own file set), and the kernels check isinstance.
         spec = config.sparsity[layer_idx]
         self.s2_pattern: S2Pattern | None = None if spec == DENSE else S2Pattern.from_dict(spec)
+        # The layer's key in S2LlamaModel's masks: a string, since torch.compile (torch 2.11) cannot hash a frozen
+        # dataclass such as S2Pattern inside a traced forward.
+        self.mask_key = FULL_ATTENTION if self.s2_pattern is None else repr(self.s2_pattern)
 
         q_size, kv_size = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
         self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.attention_bias)
@@ -490,7 +493,7 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states = decoder_layer(
                 hidden_states,
-                attention_mask=masks[decoder_layer.self_attn.s2_pattern or FULL_ATTENTION],
+                attention_mask=masks[decoder_layer.self_attn.mask_key],
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
                 past_key_values=past_key_values,
@@ -518,13 +521,18 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
             )
 
     def _attention_masks(self, inputs_embeds, attention_mask, past_key_values, position_ids, cu_seqlens) -> dict:
-        """The mask of every layer, keyed ``"full_attention"`` for dense layers and by ``S2Pattern`` for sparse ones."""
+        """The mask of every layer, keyed by its ``mask_key`` (``"full_attention"`` for dense layers, one key per
+        ``S2Pattern`` for sparse ones)."""
         if isinstance(attention_mask, dict):  # what generate() precomputes for transformers' compileable caches
             raise ValueError(
                 "S2 models build their own masks from the [B, T] padding mask: transformers' StaticCache is not "
                 'supported; use cache_implementation="static" (an S2StaticCache) or the default dynamic cache'
             )
-        patterns = {layer.self_attn.s2_pattern for layer in self.layers} - {None}
+        patterns = {  # mask key -> S2Pattern of the sparse layers
+            layer.self_attn.mask_key: layer.self_attn.s2_pattern
+            for layer in self.layers
+            if layer.self_attn.s2_pattern is not None
+        }
         if attention_mask is not None and attention_mask.dim() != 2:  # a custom 4-D mask (transformers' convention)
             if patterns:
                 raise ValueError(
@@ -559,8 +567,8 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
             batch_size, past_seen + q_length, attention_mask, cu_seqlens, device=inputs_embeds.device
         )
         dtype = inputs_embeds.dtype if self.config._attn_implementation == "eager" else None
-        for pattern in patterns:
-            masks[pattern] = s2_reference_mask(
+        for key, pattern in patterns.items():
+            masks[key] = s2_reference_mask(
                 pattern, self.config.num_attention_heads, self.config.num_key_value_heads, q_length, segment,
                 position, dtype,
             )
