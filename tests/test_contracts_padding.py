@@ -2,10 +2,10 @@
 and generate. A row's positions count its real tokens (``attention_mask.cumsum(-1) - 1``, the position_ids generate
 computes), so a row with a hole computes what the row without the masked tokens computes."""
 
-import copy
 
 import pytest
 import torch
+from test_contracts_positions import same_weights
 
 from s2_models import S2LlamaConfig, S2LlamaForCausalLM, hybrid_sparsity
 
@@ -22,13 +22,6 @@ def model_of(implementation="s2", sparsity=None):
     model = S2LlamaForCausalLM(config).eval()
     model.set_attn_implementation(implementation)
     return model
-
-
-def as_implementation(model, implementation):
-    other = S2LlamaForCausalLM(copy.deepcopy(model.config)).eval()
-    other.load_state_dict(model.state_dict())
-    other.set_attn_implementation(implementation)
-    return other
 
 
 def holey_batch():
@@ -109,7 +102,7 @@ def test_training_batch_with_holes_and_right_padding_matches_the_reference():
     labels[:, 1:] = labels[:, 1:].masked_fill(mask[:, :-1] == 0, -100)  # no prediction from a padding position
     results = []
     s2 = model_of("s2").train()
-    for model in (s2, as_implementation(s2, "sdpa").train()):
+    for model in (s2, same_weights(s2, "sdpa").train()):
         loss = model(ids, attention_mask=mask, position_ids=positions(mask), labels=labels).loss
         loss.backward()
         results.append((loss, {n: p.grad for n, p in model.named_parameters()}))
@@ -153,7 +146,7 @@ def test_generate_with_a_hole_equals_the_prompt_without_it():
     alone = model.generate(without, max_new_tokens=20, **GREEDY)
     assert torch.equal(batched[0, 45:], alone[0, 44:])
     assert torch.equal(batched[1:], model.generate(ids[1:], max_new_tokens=20, **GREEDY))
-    reference = as_implementation(model, "sdpa").generate(ids, attention_mask=mask, max_new_tokens=20, **GREEDY)
+    reference = same_weights(model, "sdpa").generate(ids, attention_mask=mask, max_new_tokens=20, **GREEDY)
     assert torch.equal(reference, batched)
 
 
