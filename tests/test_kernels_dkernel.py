@@ -4,7 +4,7 @@ Both run the identical pattern (dkernel's ``LocalStrideSparseAttention`` equals 
 ``head_sliding_offset=0`` and dkernel's stripe step; the block masks are compared first) on bf16 inputs; outputs and
 gradients of both are measured against the fp32 PyTorch path. Ours must be as exact as dkernel's (2x its relative
 error for outputs, 3x for gradients, plus the bf16 rounding floor) and the two must agree with each other.
-Skipped without CUDA or without dkernel (``pip install git+https://github.com/linxihui/dkernel``).
+Skipped without CUDA or without dkernel (the ``dkernel`` package, linxihui/dkernel, installed from its source).
 """
 
 import pytest
@@ -20,7 +20,14 @@ BF16_FLOOR = 2e-3  # relative error of rounding a unit-scale result to bf16 (2^-
 
 @pytest.fixture(autouse=True)
 def no_autotuning(monkeypatch):
+    """Neither library autotunes: ours takes its first tile candidate, dkernel its first config. dkernel otherwise
+    compiles and times 10-12 configs (num_stages 1..7) per kernel and new shape, which took over two minutes for one
+    case on an H100; as an oracle one exact config serves."""
     monkeypatch.setenv("S2_ATTENTION_AUTOTUNE", "0")
+    from dkernel.ops import sparse_attn_bwd, sparse_attn_fwd
+
+    for kernel in (sparse_attn_fwd._sparse_fwd_kernel, sparse_attn_bwd._sparse_bwd_kernel):
+        monkeypatch.setattr(kernel, "configs", kernel.configs[:1])
 
 
 def _relative_error(x: torch.Tensor, reference: torch.Tensor) -> float:
