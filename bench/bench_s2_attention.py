@@ -7,8 +7,8 @@ GPU only. Writes ``bench/results/<gpu>-<date>.json`` and prints a markdown table
     python bench/bench_s2_attention.py --compare dkernel   # the issue-9 shapes against dkernel and cuDNN (~4 min)
 
 dkernel (the S2 authors' Triton library: the ``dkernel`` package, linxihui/dkernel, installed from its source) is a
-baseline whenever it is importable; it gets the identical pattern (``head_sliding_offset=0``) and, for GQA, K/V repeated to
-the query heads inside the timed call (it has no native GQA).
+baseline whenever it is importable; it gets the identical pattern (``head_sliding_offset=0``) and, for GQA, K/V
+repeated to the query heads inside the timed call (it has no native GQA).
 
 Headline: H=32, D=128, bf16, causal, B x T = 131072 tokens; pattern block 64, local_blocks 16, vert_stride 16,
 heterogeneous heads; forward and forward+backward. Throughput columns:
