@@ -144,11 +144,13 @@ def kv_cache_memory(dense, s2, ids, length: int) -> None:
         with torch.no_grad():
             cache = model(prompt, use_cache=True, logits_to_keep=1).past_key_values
         sizes[name] = kv_cache_bytes(cache)
-    dense_total = sum(sizes["dense"].values())
-    s2_total = sum(sizes["S2"].values())
+    dense_total = sizes["dense"]["dense"] + sizes["dense"]["s2"]
+    s2_total = sizes["S2"]["dense"] + sizes["S2"]["s2"]  # "s2_rollback" is the part of "s2" kept only for crop()
     print(f"  dense model:  {mib(dense_total)} ({len(dense.model.layers)} full layers)")
     print(f"  S2 hybrid:    {mib(s2_total)} = {mib(sizes['S2']['dense'])} in dense layers + "
-          f"{mib(sizes['S2']['s2'])} in compact S2 layers  ({s2_total / dense_total:.1%} of dense)")
+          f"{mib(sizes['S2']['s2'])} in compact S2 layers  ({s2_total / dense_total:.1%} of dense; "
+          f"{mib(sizes['S2']['s2_rollback'])} of the S2 layers' share is the room to roll back "
+          "speculative drafts, config.s2_rollback_tokens)")
 
 
 def mib(num_bytes: int) -> str:

@@ -4,6 +4,7 @@ The only network use is the cached package-registry fetch (the wheel, the Debian
 """
 
 import os
+import re
 
 import pytest
 import torch
@@ -91,7 +92,10 @@ def test_demo_runs_end_to_end(tokenizer, capsys):
     out = capsys.readouterr().out
     for section in ("1. Checkpoint", "2. Sparsity", "3. Greedy continuations", "4. Held-out perplexity", "5. KV-cache"):
         assert section in out
-    assert "S2 hybrid" in out and "MiB" in out
+    total, in_dense, in_s2 = map(float, re.search(
+        r"S2 hybrid:\s+([\d.]+) MiB =\s+([\d.]+) MiB in dense layers \+\s+([\d.]+) MiB in compact S2", out
+    ).groups())
+    assert total == pytest.approx(in_dense + in_s2, abs=0.011)  # the parts add up (printed to 0.01 MiB)
 
 
 def test_model_card_of_the_converted_checkpoint(hybrid):
