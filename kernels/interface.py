@@ -104,6 +104,8 @@ def s2_attention(
     if pattern is not None and not isinstance(pattern, S2Pattern):
         raise ValueError(f"pattern must be an S2Pattern, got {type(pattern).__name__}")
     check_backend(backend)  # the rest of the backend's checks (device, Triton) run inside the op
+    _check_op_argument_types(block_mask, block_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             attention_mask)
     out, lse = attention_op(
         q, k, v, None if pattern is None else pattern_to_ints(pattern), block_mask, block_size, causal, scale, backend,
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attention_mask,
@@ -178,6 +180,19 @@ def _check_tensors(q, k, v):
         raise ValueError(f"the query heads Hq={hq} must be a multiple of the KV heads Hkv={hkv}")
 
 
+def _check_op_argument_types(block_mask, block_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             attention_mask) -> None:
+    """The types the op's schema takes (its values are checked inside it): a ValueError naming the argument rather
+    than PyTorch's schema error, or a bool silently read as an int."""
+    for name, value in (("block_mask", block_mask), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                        ("attention_mask", attention_mask)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor or None, got {type(value).__name__}")
+    for name, value in (("block_size", block_size), ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{name} must be an int or None, got {value!r}")
+
+
 def check_scale(scale, head_dim: int) -> float:
     """The softmax scale: ``head_dim ** -0.5`` for ``None``, else a finite positive number."""
     if scale is None:
@@ -192,11 +207,22 @@ def _check_varlen(q, k, causal, cu_q, cu_k, max_q, max_k) -> Varlen:
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
     if q.shape[0] != 1:
         raise ValueError(f"packed (cu_seqlens) inputs must have batch size 1, got B={q.shape[0]}")
-    checked = []
-    for name, cu, total in (("cu_seqlens_q", cu_q, q.shape[2]), ("cu_seqlens_k", cu_k, k.shape[2])):
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         is_offsets = isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.dtype in (torch.int32, torch.int64)
         if not is_offsets or cu.numel() < 2:
             raise ValueError(f"{name} must be a 1-D int32/int64 tensor of S + 1 >= 2 offsets, got {cu!r}")
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length, got {cu_q.numel()} and {cu_k.numel()}"
+        )
+    # Sequences empty in both q and k (a compiled model's fixed-size offsets are mostly those) are dropped on the
+    # device, so only the real offsets reach the host (all empty: one empty sequence stays).
+    real = (cu_q[1:] != cu_q[:-1]) | (cu_k[1:] != cu_k[:-1])
+    real[-1] |= ~real.any()
+    keep = torch.cat([real.new_ones(1), real])
+    cu_q, cu_k = cu_q[keep], cu_k[keep]
+    checked = []
+    for name, cu, total in (("cu_seqlens_q", cu_q, q.shape[2]), ("cu_seqlens_k", cu_k, k.shape[2])):
         host = cu.tolist()
         if host[0] != 0 or host[-1] != total or any(b < a for a, b in zip(host, host[1:])):
             raise ValueError(
@@ -204,10 +230,6 @@ def _check_varlen(q, k, causal, cu_q, cu_k, max_q, max_k) -> Varlen:
             )
         checked.append(host)
     host_q, host_k = checked
-    if len(host_q) != len(host_k):
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must have the same length, got {len(host_q)} and {len(host_k)}"
-        )
     lens_q = [b - a for a, b in zip(host_q, host_q[1:])]
     lens_k = [b - a for a, b in zip(host_k, host_k[1:])]
     for s, (lq, lk) in enumerate(zip(lens_q, lens_k)):
@@ -217,9 +239,6 @@ def _check_varlen(q, k, causal, cu_q, cu_k, max_q, max_k) -> Varlen:
     for name, given, actual in (("max_seqlen_q", max_q, actual_q), ("max_seqlen_k", max_k, actual_k)):
         if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < actual):
             raise ValueError(f"{name} must be an int >= the longest sequence ({actual}), got {given!r}")
-    if 0 in lens_k and any(lens_k):  # empty sequences (e.g. a compiled model's unused offsets) get no programs
-        nonempty = [0] + [s + 1 for s, length in enumerate(lens_k) if length]
-        cu_q, cu_k = (torch.tensor([host[i] for i in nonempty]) for host in (host_q, host_k))
     device = q.device
     return Varlen(
         cu_seqlens_q=cu_q.to(device=device, dtype=torch.int32),
@@ -456,6 +475,7 @@ def _attention_backward_fake(dout, dlse, q, k, v, *args):
 
 
 def _attention_setup_context(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # an unused lse gets dlse None, not zeros the backward kernels would read
     q, k, v, *arguments = inputs  # arguments: pattern ... attention_mask, passed on to the backward
     ctx.tensor_positions = [i for i, argument in enumerate(arguments) if isinstance(argument, torch.Tensor)]
     ctx.save_for_backward(q, k, v, *output, *(arguments[i] for i in ctx.tensor_positions))

@@ -147,3 +147,22 @@ def test_layouts_are_shared_and_bucketed():
         shapes.add(layout.block_mask.shape)
     assert len(shapes) <= 16 + 8 * 4  # exact up to 16 blocks, then 8 sizes per doubling up to 188 blocks (of 429)
     assert [bucket_num_blocks(n) for n in (1, 8, 16, 17, 2048)] == [1, 8, 16, 18, 2048]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"block_mask": [[True, True], [True, True]], "block_size": 16}, "block_mask must be a tensor"),
+    ({"block_mask": torch.ones(2, 2, dtype=torch.bool), "block_size": 16.0}, "block_size must be an int"),
+    ({"cu_seqlens_q": [0, 32], "cu_seqlens_k": [0, 32]}, "cu_seqlens_q must be a tensor"),
+    ({"cu_seqlens_q": torch.tensor([0, 32]), "cu_seqlens_k": torch.tensor([0, 32]), "max_seqlen_q": True},
+     "max_seqlen_q must be an int"),
+    ({"cu_seqlens_q": torch.tensor([0, 32]), "cu_seqlens_k": torch.tensor([0, 32]), "max_seqlen_k": 32.0},
+     "max_seqlen_k must be an int"),
+    ({"attention_mask": [[1] * 32]}, "attention_mask must be a tensor"),
+])
+def test_argument_types_name_the_argument(kwargs, match):
+    """Arguments of the wrong type get a ValueError naming them, not the custom op's schema error (a bool is no
+    sequence length)."""
+    q, k, v = qkv()
+    pattern = None if "block_mask" in kwargs else PATTERN
+    with pytest.raises(ValueError, match=match):
+        s2_attention(q, k, v, pattern, **kwargs)
