@@ -389,6 +389,7 @@ def s2_cache_layer(past_key_values, layer_idx: int) -> S2CacheLayer | None:
 def set_default_rollback(cache, rollback_tokens: int) -> None:
     """Give the S2 layers of ``cache`` that have no ``rollback_tokens`` yet (built by ``DynamicCache(config=...)``,
     which passes no arguments to its layers) this one; a layer's value is fixed once it holds tokens."""
+    check_rollback_tokens(rollback_tokens)  # config.s2_rollback_tokens may have been set after construction
     for layer in getattr(cache, "layers", ()):
         if isinstance(layer, S2CacheLayer) and layer.rollback_tokens is None and not layer.is_compact:
             layer.rollback_tokens = rollback_tokens

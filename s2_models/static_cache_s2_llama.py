@@ -95,6 +95,9 @@ class S2StaticLayer(S2CacheLayer):
                 "prompt-lookup generation need the default dynamic cache"
             )
 
+    def max_crop(self) -> int:
+        return 0  # it cannot be cropped (see crop)
+
     def _remember_real(self, new_real, batch, tq) -> None:
         """Nothing to remember: the layer cannot be cropped (and a replayed graph would not run this)."""
 

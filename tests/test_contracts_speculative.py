@@ -73,6 +73,28 @@ def test_a_crop_deeper_than_the_limit_is_refused_and_names_it():
     assert layer.get_seq_length() == 65
 
 
+
+def test_the_crop_limit_never_rises_after_a_deep_crop():
+    """After a chunk, a deep crop and a decode step, blocks evicted while the sequence was longer stay evicted: the
+    limit must not grow back with the shorter length (a crop to 49 tokens would attend without evicted keys, silently
+    wrong). The deepest crop still allowed then attends exactly."""
+    pattern = S2Pattern(block_size=16, local_blocks=2, vert_stride=3)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 100, 16, dtype=torch.float64) for _ in range(3))
+    layer = S2CacheLayer(rollback_tokens=16)
+    layer.update_and_attend(q[:, :, :64], k[:, :, :64], v[:, :, :64], pattern, backend="torch")
+    layer.update_and_attend(q[:, :, 64:97], k[:, :, 64:97], v[:, :, 64:97], pattern, backend="torch")
+    layer.crop(-32)  # back to 65 tokens
+    layer.update_and_attend(q[:, :, 65:66], k[:, :, 65:66], v[:, :, 65:66], pattern, backend="torch")
+    with pytest.raises(ValueError, match="at most"):
+        layer.crop(-17)  # to 49 tokens: block 2 went when the sequence held 97
+    length = layer.get_seq_length() - layer.max_crop()
+    layer.crop(-layer.max_crop())
+    out = layer.update_and_attend(q[:, :, length:length + 1], k[:, :, length:length + 1],
+                                  v[:, :, length:length + 1], pattern, backend="torch")
+    expected, _ = naive_s2_attention(q[:, :, :length + 1], k[:, :, :length + 1], v[:, :, :length + 1], pattern)
+    torch.testing.assert_close(out, expected[:, :, length:], atol=1e-12, rtol=0)
+
 # ------------------------------------------------------------------------------------------------ generate()
 def tiny_model(seed, layers=3, hidden=64):
     torch.manual_seed(seed)

@@ -32,7 +32,7 @@ Examples::
         --output_dir outputs/smollm2-s2 --max_steps 200 --per_device_train_batch_size 8 --learning_rate 2e-5
 
     # a tiny fresh model with the cached tiny tokenizer on the bundled text (CPU smoke test)
-    s2-train --tokenizer_name tiny --config_overrides hidden_size=64,intermediate_size=128,num_hidden_layers=2,\\
+    s2-train --tokenizer_name tiny --config_overrides hidden_size=64,intermediate_size=128,num_hidden_layers=3,\\
     num_attention_heads=4,num_key_value_heads=2,head_dim=16 --output_dir outputs/tiny --max_steps 5 --block_size 128
 """
 
@@ -182,12 +182,19 @@ def parse_sparsity(spec: str, num_layers: int, pattern: str | None, dense_layers
         try:
             layers = [int(i) for i in dense_layers.split(",") if i.strip()]
             sparse_pattern = json.loads(pattern) if pattern else None
-            return hybrid_sparsity(num_layers, sparse_pattern, dense_layers=layers)
+            sparsity = hybrid_sparsity(num_layers, sparse_pattern, dense_layers=layers)
         except ValueError as e:  # json.JSONDecodeError is one too
             raise ValueError(
                 f"--sparsity hybrid with --dense_layers {dense_layers!r} and --pattern {pattern!r} does not fit the "
                 f"model ({num_layers} layers): {e}"
             ) from None
+        if all(layer == "dense" for layer in sparsity):
+            raise ValueError(
+                f"--dense_layers {dense_layers!r} makes every layer of the {num_layers}-layer model dense, so "
+                "--sparsity hybrid (the default for a dense or fresh model) would train no S2 layer: name fewer "
+                "--dense_layers, or pass --sparsity dense for a dense model"
+            )
+        return sparsity
     try:
         return json.loads(spec)
     except json.JSONDecodeError:
