@@ -91,6 +91,7 @@ def test_cache_append_op_mutates_the_cache_under_compile():
     key, value = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16)
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     s2_cache_append(expected_k, expected_v, key, value, seq_lens + 1, layout, num_ring_slots=num_ring, backend="torch")
+    assert not torch.equal(expected_k, k_cache)  # the append writes something, so the check below can fail
 
     def append(k_cache, v_cache, key, value, seq_lens):
         s2_cache_append(k_cache, v_cache, key, value, seq_lens, layout, num_ring_slots=num_ring, backend="torch")

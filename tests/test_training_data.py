@@ -63,3 +63,13 @@ def test_real_documents_are_disjoint_english_text():
     common = sum(w.lower() in {"the", "and", "of", "to", "is", "a"} for w in words) / len(words)
     assert common > 0.1, common  # English prose, not code or markup
     assert len(data.heldout_text(1000)) == 1000
+
+
+def test_max_train_samples_counts_training_rows_after_the_split(tmp_path):
+    """As in run_clm: the validation rows are split off first, then --max_train_samples caps what is left."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(f'{{"text": "document number {i} with some words"}}\n' for i in range(40)))
+    train, validation = data.load_text_splits(train_files=[str(path)], validation_split_percentage=20,
+                                              max_train_samples=30)
+    assert len(train) == 30 and len(validation) == 8
+    assert not set(train["text"]) & set(validation["text"])

@@ -134,15 +134,16 @@ def load_text_splits(
         source["validation"] = f"--validation_file {list(validation_files)}"
 
     column = text_column(splits["train"], text_column_name, source["train"])
-    train = _only_text(splits["train"], column, max_train_samples)
+    train = _only_text(splits["train"], column, None)
     if "validation" in splits:
         validation = _only_text(splits["validation"], text_column(splits["validation"], column, source["validation"]),
                                 max_eval_samples)
-    elif validation_split_percentage:
+    elif validation_split_percentage:  # split first, as run_clm does: --max_train_samples counts training rows
         train, validation = split_off_validation(train, validation_split_percentage)
         validation = _first_rows(validation, max_eval_samples)
     else:
         validation = None
+    train = _first_rows(train, max_train_samples)
     if not streaming and len(train) == 0:
         raise ValueError(f"{source['train']} holds no rows of text")
     if not streaming and validation is not None and len(validation) == 0:
