@@ -170,7 +170,7 @@ def test_bf16_autocast_on_fp32_weights(data_dir, tmp_path):
 
 @pytest.mark.parametrize("case", [
     "missing file", "empty file", "absent column", "sparsity layers", "dense layer index", "block size",
-    "no sparse layer",
+    "no sparse layer", "missing model",
     "tokenizer vocabulary", "dataset not cached", "streaming without max_steps", "nothing held out",
 ])
 def test_bad_input_gets_a_value_error_naming_the_argument(case, data_dir, tmp_path):
@@ -181,6 +181,8 @@ def test_bad_input_gets_a_value_error_naming_the_argument(case, data_dir, tmp_pa
         "empty file": (train + ["--validation_file", str(tmp_path / "empty.txt")], "--validation_file .*is empty"),
         "absent column": (["--train_file", str(data_dir / "train_a.jsonl"), "--text_column_name", "txt"],
                           r"--text_column_name 'txt' is not a column .*\['id', 'body'\]"),
+        "missing model": (train + ["--model_name_or_path", str(tmp_path / "nope")],
+                          "--model_name_or_path .*nope.* is not a local model folder"),
         "no sparse layer": (train + ["--dense_layers", "0,1,2"], "--dense_layers '0,1,2' makes every layer .* dense"),
         "sparsity layers": (train + ["--sparsity", '["dense", "dense"]'],
                             "--sparsity .* does not fit the model .*3 layers.*one entry per layer"),

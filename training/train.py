@@ -38,6 +38,7 @@ Examples::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -225,7 +226,19 @@ def load_tokenizer(model_args: ModelArguments):
         return load_tiny_tokenizer()
     if name == "smollm2":
         return smollm2.load_tokenizer()
-    return AutoTokenizer.from_pretrained(name, local_files_only=not model_args.allow_download)
+    argument = "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path"
+    with _named_load_errors(argument, name, model_args.allow_download):
+        return AutoTokenizer.from_pretrained(name, local_files_only=not model_args.allow_download)
+
+
+@contextlib.contextmanager
+def _named_load_errors(argument: str, name: str, allow_download: bool):
+    """transformers' OSError for a folder or Hub id that cannot be read, as a ValueError naming the argument."""
+    try:
+        yield
+    except OSError as e:
+        hint = "" if allow_download else " (nothing is downloaded without --allow_download)"
+        raise ValueError(f"{argument} {name!r} is not a local model folder nor a cached Hub id{hint}: {e}") from e
 
 
 def _source_path(model_args: ModelArguments) -> str | None:
@@ -242,17 +255,20 @@ def build_config(model_args: ModelArguments, vocab_size: int):
     """
     overrides = parse_overrides(model_args.config_overrides)
     source = _source_path(model_args)
-    try:
-        if source is None:
-            config = S2LlamaConfig(**{"vocab_size": vocab_size, "sparsity": "dense", **overrides})
-        else:
+    loaded = None
+    if source is not None:
+        argument = "--model_name_or_path" if model_args.model_name_or_path else "--config_name"
+        with _named_load_errors(argument, source, model_args.allow_download):
             loaded = AutoConfig.from_pretrained(
                 source, trust_remote_code=True, local_files_only=not model_args.allow_download
             )
-            if loaded.model_type == S2LlamaConfig.model_type:
-                config = S2LlamaConfig.from_dict(loaded.to_dict(), **overrides)
-            else:
-                config = S2LlamaConfig.from_llama(loaded, sparsity="dense", **overrides)
+    try:
+        if loaded is None:
+            config = S2LlamaConfig(**{"vocab_size": vocab_size, "sparsity": "dense", **overrides})
+        elif loaded.model_type == S2LlamaConfig.model_type:
+            config = S2LlamaConfig.from_dict(loaded.to_dict(), **overrides)
+        else:
+            config = S2LlamaConfig.from_llama(loaded, sparsity="dense", **overrides)
     except ValueError as e:
         raise ValueError(f"--config_overrides {model_args.config_overrides!r} do not fit the model: {e}") from e
 
