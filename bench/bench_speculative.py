@@ -27,13 +27,11 @@ import time
 import traceback
 
 import torch
+from bench_generation import PATTERN, SHAPES  # the 1B hybrid of the generation bench
 
 from s2_models import S2LlamaConfig, S2LlamaForCausalLM, hybrid_sparsity
 from s2_models.cache_s2_llama import kv_cache_bytes
 
-PATTERN = {"block_size": 64, "local_blocks": 16, "vert_stride": 16}
-SHAPES = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-              num_key_value_heads=8, head_dim=64, max_position_embeddings=140_000, tie_word_embeddings=True)
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None, return_dict_in_generate=True)
 
 
