@@ -9,7 +9,7 @@
 Every arm goes through this package's training path: the model from ``s2_models.training.train.build_model``, the
 config from its ``build_config``, bf16 autocast over fp32 master weights (``--precision``), ``transformers.Trainer``
 with AdamW, linear warm-up and cosine decay. The data are the token pieces of ``s2_models.training.corpus``
-(``train_*.bin``, ``heldout.bin`` in ``--data_dir``), read through memory maps and cut into ``--max_seq_length``
+(``train_*.bin``, ``heldout.bin`` in ``--data_dir``), read through memory maps and cut into ``--block_size``
 chunks; every chunk is full, so batches are plain ``[B, T]`` tensors (``train.py``'s flattening collator exists for
 documents of varying length and is not needed here). Both arms draw chunks in the same seeded order.
 
@@ -259,17 +259,17 @@ def train_arm(args, arm: str, log: MetricsLog, deadline: float, tokenizer_vocab:
     model = build_arm_model(args, arm, tokenizer_vocab)
     if args.gradient_checkpointing:  # set on the model: TrainingArguments renamed the flag between 5.17 and 5.23
         model.gradient_checkpointing_enable()
-    train = TokenChunks(train_files(args.data_dir), args.max_seq_length)
-    heldout = TokenChunks([args.data_dir / "heldout.bin"], args.max_seq_length, max_chunks=args.eval_chunks)
-    tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.max_seq_length
+    train = TokenChunks(train_files(args.data_dir), args.block_size)
+    heldout = TokenChunks([args.data_dir / "heldout.bin"], args.block_size, max_chunks=args.eval_chunks)
+    tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.block_size
     if checkpoint is None:
         params = sum(p.numel() for p in model.parameters())
         log.append({"arm": arm, "kind": "config", "study": args.study, "parameters": params,
                     "sparsity": model.config.sparsity, "densities": densities(model.config, args.final_lengths),
-                    "train_tokens_available": len(train) * args.max_seq_length,
+                    "train_tokens_available": len(train) * args.block_size,
                     "planned_tokens": args.max_steps * tokens_per_step, "tokens_per_step": tokens_per_step,
                     "learning_rate": args.learning_rate, "warmup_steps": args.warmup_steps,
-                    "max_seq_length": args.max_seq_length,
+                    "block_size": args.block_size,
                     "precision": "bf16 autocast, fp32 weights" if training_args.bf16 else "fp32",
                     "device": _device_name(), "torch": torch.__version__, "command": _command()})
     else:
@@ -477,7 +477,7 @@ def parse_args(argv=None):
     parser.add_argument("--dense_layers", default="0,1", help="hybrid: comma-separated dense layers")
     parser.add_argument("--attn_implementation", default="s2")
     parser.add_argument("--precision", default="auto", help="auto (bf16 on GPUs that have it), bf16 or fp32")
-    parser.add_argument("--max_seq_length", type=int, default=2048)
+    parser.add_argument("--block_size", type=int, default=2048)
     parser.add_argument("--per_device_train_batch_size", type=int, default=16)
     parser.add_argument("--per_device_eval_batch_size", type=int, default=16)
     parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
@@ -515,7 +515,7 @@ def parse_args(argv=None):
     args.final_lengths = [int(n) for n in args.final_lengths.split(",") if n.strip()]
     args.grid_lengths = [int(n) for n in args.grid_lengths.split(",") if n.strip()]
     args.grid_depths = [float(d) for d in args.grid_depths.split(",") if d.strip()]
-    for name in ("max_steps", "max_seq_length", "per_device_train_batch_size", "grid_samples"):
+    for name in ("max_steps", "block_size", "per_device_train_batch_size", "grid_samples"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.max_minutes <= args.save_reserve_minutes:

@@ -67,7 +67,7 @@ def test_missing_piece_is_refused(data_dir, tmp_path):
 def run(data_dir, work_dir, *extra):
     return quality_study.main([
         "--data_dir", str(data_dir), "--work_dir", str(work_dir), "--export_dir", str(work_dir / "export"),
-        "--tiny", "--max_steps", "3", "--max_seq_length", str(SEQ), "--per_device_train_batch_size", "2",
+        "--tiny", "--max_steps", "3", "--block_size", str(SEQ), "--per_device_train_batch_size", "2",
         "--warmup_steps", "1", "--learning_rate", "3e-3", "--logging_steps", "1", "--eval_steps", "2",
         "--eval_chunks", "2", "--save_steps", "100", "--dataloader_num_workers", "0", "--final_lengths", "32,64",
         "--final_eval_tokens", "256", "--grid_lengths", "", "--no_progress", *extra,
