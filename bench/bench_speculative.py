@@ -17,6 +17,14 @@ cropped from the compact cache). Recorded: time to first token, decode tokens/s 
 the tokens equal plain greedy's (bf16: a chunked verify and a one-token step round differently, so a near-tie can
 flip; the first differing index is recorded), and the KV memory incl. the rollback room
 (``kv_cache_bytes(...)["s2_rollback"]``).
+
+With ``--model`` (a trained S2 checkpoint, e.g. the hybrid of ``bench/quality_study.py``) and ``--text`` (a uint16
+token file, e.g. the corpus' ``heldout.bin``) the document is real held-out text and the prompt ends by restarting
+it (its first ``RESTART_TOKENS`` tokens again): an editing task, where a trained model continues by copying the
+document and the drafts that prompt lookup takes from it are accepted as often as the model copies::
+
+    python bench/bench_speculative.py --model /tmp/study2/hybrid/final --text /tmp/corpus/heldout.bin \
+        --contexts 2048,6144 --out $OUT/speculative_trained.json
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import json
 import time
 import traceback
 
+import numpy as np
 import torch
 from bench_generation import PATTERN, SHAPES  # the 1B hybrid of the generation bench
 
@@ -41,6 +50,20 @@ def document(length: int, passage_length: int = 256, num_passages: int = 8, seed
     passages = torch.randint(1, SHAPES["vocab_size"], (num_passages, passage_length), generator=generator)
     order = torch.randint(0, num_passages, (-(-length // passage_length) + 1,), generator=generator)
     return passages[order].flatten()[:length][None].cuda()
+
+
+RESTART_TOKENS = 32
+
+
+def restarted_text(path: str, length: int) -> torch.Tensor:
+    """``[1, length]`` token ids of real text: its first ``length - RESTART_TOKENS`` tokens, then their first
+    ``RESTART_TOKENS`` again, so that the text's own continuation is to copy the document from there."""
+    if length <= 2 * RESTART_TOKENS:
+        raise ValueError(f"a context must exceed {2 * RESTART_TOKENS} tokens, got {length}")
+    tokens = torch.from_numpy(np.fromfile(path, dtype=np.uint16, count=length - RESTART_TOKENS).astype(np.int64))
+    if len(tokens) < length - RESTART_TOKENS:
+        raise ValueError(f"--text {path} holds {len(tokens)} tokens, fewer than the context {length} needs")
+    return torch.cat([tokens, tokens[:RESTART_TOKENS]])[None].cuda()
 
 
 class ForwardCounter:
@@ -84,16 +107,31 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--quick", action="store_true", help="one 4k prompt, 128 new tokens")
     parser.add_argument("--prompt_lookup_num_tokens", type=int, default=10)
+    parser.add_argument("--model", default=None, help="a trained S2 checkpoint (default: the random-weight 1B hybrid)")
+    parser.add_argument("--text", default=None, help="with --model: uint16 token file the documents come from")
+    parser.add_argument("--contexts", default=None, help="comma-separated prompt lengths (default 8192,32768)")
+    parser.add_argument("--new_tokens", type=int, default=None, help="tokens to generate (default 256)")
     args = parser.parse_args()
+    if (args.model is None) != (args.text is None):
+        raise ValueError("--model and --text go together (a trained model on real text)")
     contexts, new_tokens = ((4096,), 128) if args.quick else ((8192, 32768), 256)
+    if args.contexts:
+        contexts = tuple(int(n) for n in args.contexts.split(","))
+    new_tokens = args.new_tokens or new_tokens
     torch.manual_seed(0)
-    config = S2LlamaConfig(**SHAPES, sparsity=hybrid_sparsity(16, PATTERN, dense_layers=(0, 1)))
-    model = S2LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    if args.model is None:
+        config = S2LlamaConfig(**SHAPES, sparsity=hybrid_sparsity(16, PATTERN, dense_layers=(0, 1)))
+        model = S2LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+        described = {"shapes": SHAPES, "pattern": PATTERN, "weights": "random"}
+    else:
+        model = S2LlamaForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).to("cuda").eval()
+        described = {"model": args.model, "sparsity": model.config.sparsity, "text": args.text,
+                     "prompt": f"held-out text, its first {RESTART_TOKENS} tokens repeated at the end"}
     counter = ForwardCounter(model)
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": SHAPES,
-               "pattern": PATTERN, "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens, "runs": {}}
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, **described,
+               "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens, "runs": {}}
     for context in contexts:
-        ids = document(context)
+        ids = document(context) if args.text is None else restarted_text(args.text, context)
         entry = results["runs"][str(context)] = {}
         try:
             plain_tokens, entry["plain_greedy"] = run(model, counter, ids, new_tokens)

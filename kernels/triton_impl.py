@@ -578,11 +578,11 @@ INTERPRETER_CONFIGS = {
 }
 
 # Software-pipelining depths (num_stages) the tuner tries for every tile. The loops are written to pipeline (scalar
-# list reads, masked loops unpipelined: see _gather_positions); num_stages=2 measured 1.1-1.4x faster on an H100 and
-# passed the dkernel oracle test on two shapes, but the full exactness check (bench/pipelining_check.py and the
-# gpu-marked tests, which run every candidate) has not run yet: until it has, only num_stages=1 is tried. Then set
-# this to (2, 1). Depth 3 also pipelines the list reads (single-slot buffers): keep it out until checked on its own.
-_PIPELINE_DEPTHS = (1,)
+# list reads, masked loops unpipelined: see _gather_positions). bench/pipelining_check.py on an H200 (2026-11-23):
+# 2 and 3 stages give exactly depth 1's errors on every case (block 16-128, GQA, odd T), and the headline (block 64,
+# T=131072) runs 35.1 -> 29.6 ms forward and 134.7 -> 114.8 ms forward+backward at 2 stages; 3 stages adds
+# nothing (29.9 / 117.4 ms) and costs shared memory, so it is not tried.
+_PIPELINE_DEPTHS = (2, 1)
 
 
 def _configs(*tiles: tuple[int, int, int]) -> list[TileConfig]:

@@ -27,6 +27,8 @@ def no_autotuning(monkeypatch):
     from dkernel.ops import sparse_attn_bwd, sparse_attn_fwd
 
     for kernel in (sparse_attn_fwd._sparse_fwd_kernel, sparse_attn_bwd._sparse_bwd_kernel):
+        while not hasattr(kernel, "configs"):  # the backward's autotuner sits under a @triton.heuristics wrapper
+            kernel = kernel.fn
         monkeypatch.setattr(kernel, "configs", kernel.configs[:1])
 
 
