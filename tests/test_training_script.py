@@ -168,6 +168,34 @@ def test_bf16_autocast_on_fp32_weights(data_dir, tmp_path):
     assert all(math.isfinite(loss) for loss in logged_losses(out).values())
 
 
+def test_callbacks_reach_the_trainer_and_cpu_metrics_hold_no_gpu_memory(data_dir, tmp_path):
+    from transformers import TrainerCallback
+
+    class StepRecorder(TrainerCallback):
+        def __init__(self):
+            self.steps = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps.append(state.global_step)
+
+    recorder = StepRecorder()
+    out = tmp_path / "run"
+    train_script.main(tiny_args(out, "--train_file", str(data_dir / "train.txt"), "--do_train", steps=2),
+                      callbacks=[recorder])
+    assert recorder.steps == [1, 2]
+    with open(out / "train_results.json") as f:
+        assert "train_peak_memory_gib" not in json.load(f)
+
+
+def test_packing_refuses_dataparallel(data_dir, tmp_path, monkeypatch):
+    """Several GPUs in one process (Trainer's DataParallel) would cut the packed row's cu_seqlens apart."""
+    from transformers import TrainingArguments
+
+    monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))
+    with pytest.raises(ValueError, match="--packing with 2 GPUs in one process.*accelerate launch.*--packing false"):
+        train_script.main(tiny_args(tmp_path / "run", "--train_file", str(data_dir / "train.txt"), "--do_train"))
+
+
 @pytest.mark.parametrize("case", [
     "missing file", "empty file", "absent column", "sparsity layers", "dense layer index", "block size",
     "no sparse layer", "missing model",

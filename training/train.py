@@ -20,7 +20,9 @@ Batches: ``--packing`` (default) concatenates a batch's chunks into one row with
 pads the chunks of a batch to the longest on the right instead. Both see the same tokens and give the same loss.
 
 At the end the model (with its remote code and a model card carrying the metrics), the tokenizer, the metrics and the
-trainer state are saved to ``--output_dir``. ``--do_train`` / ``--do_eval`` select the phases as in run_clm; with
+trainer state are saved to ``--output_dir``. On GPUs the train metrics include ``train_peak_memory_gib``: the peak of
+``torch.cuda.max_memory_allocated`` during training on the fullest GPU of all processes (GiB; tensors only, without
+the allocator's cached blocks). ``--do_train`` / ``--do_eval`` select the phases as in run_clm; with
 neither, the script trains, then evaluates when there is validation data.
 
 Examples::
@@ -345,7 +347,15 @@ def pad_token_id(tokenizer) -> int:
     return 0
 
 
-def main(argv=None):
+def peak_memory_gib(trainer) -> float:
+    """The largest ``torch.cuda.max_memory_allocated()`` of all processes in GiB (a collective: every rank calls it)."""
+    peak = torch.tensor([torch.cuda.max_memory_allocated(trainer.args.device)], device=trainer.args.device)
+    return trainer.accelerator.gather(peak).max().item() / 2**30
+
+
+def main(argv=None, callbacks=None):
+    """Run ``s2-train`` with the arguments ``argv`` (default: the command line); ``callbacks`` (``TrainerCallback``
+    instances or classes) are handed to the ``Trainer``. Returns the model card's metrics."""
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     do_train, do_eval = training_args.do_train, training_args.do_eval
@@ -353,6 +363,13 @@ def main(argv=None):
         do_train = do_eval = True  # neither asked for: train, then evaluate when there is validation data
     if do_train and data_args.streaming and training_args.max_steps <= 0:
         raise ValueError("--streaming needs --max_steps (a stream has no length to count epochs by)")
+    if data_args.packing and training_args.n_gpu > 1:  # one process, several GPUs: DataParallel splits every tensor
+        raise ValueError(
+            f"--packing with {training_args.n_gpu} GPUs in one process: Trainer's DataParallel would split the "
+            "packed row's sequence offsets (cu_seqlens) across the GPUs. Launch one process per GPU "
+            "(accelerate launch --config_file training/accelerate/ddp.yaml, or torchrun), make one GPU visible "
+            "(CUDA_VISIBLE_DEVICES=0), or pass --packing false"
+        )
 
     if training_args.ddp_find_unused_parameters is None:
         training_args.ddp_find_unused_parameters = False  # every parameter gets a gradient; spare DDP the search
@@ -400,10 +417,16 @@ def main(argv=None):
         eval_dataset=held_out,
         data_collator=collator,
         processing_class=tokenizer,
+        callbacks=callbacks,
     )
     metrics = {}
     if do_train:
+        on_gpu = trainer.args.device.type == "cuda"
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats(trainer.args.device)  # the model already sits there: it counts
         train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        if on_gpu:
+            train_result.metrics["train_peak_memory_gib"] = peak_memory_gib(trainer)
         trainer.log_metrics("train", train_result.metrics)
         trainer.save_metrics("train", train_result.metrics)
         trainer.save_state()
