@@ -1,0 +1,101 @@
+"""bench/bench_distributed.py on the CPU: ``--prepare`` and a ``--tiny`` run (one process vs torchrun DDP with gloo,
+same global batch and data order), and the GPU arms' launch commands as accelerate reads them."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import HfArgumentParser
+
+from s2_models.training import train as train_script
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+import bench_distributed  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dist")
+    try:
+        manifest = bench_distributed.prepare(folder, bench_distributed.TINY_RUN)
+    except RuntimeError as e:  # no Debian archive reachable and nothing cached
+        pytest.skip(f"local training text unavailable: {e}")
+    return folder, manifest
+
+
+def test_prepare_writes_enough_mostly_full_chunks(tiny_data):
+    folder, manifest = tiny_data
+    run = bench_distributed.TINY_RUN
+    assert manifest["chunks"] >= run["steps"] * run["global_batch"] * (1 + bench_distributed.DATA_MARGIN)
+    assert manifest["tokens"] > 0.8 * manifest["chunks"] * run["block_size"]  # rows of many chunks: few partial
+    rows = [json.loads(line)["text"] for line in (folder / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == manifest["rows"] and all(rows)
+    assert (folder / "tokenizer" / "tokenizer.json").is_file()
+
+
+def test_tiny_run_ddp_matches_one_process(tiny_data, tmp_path):
+    folder, _ = tiny_data
+    out = tmp_path / "tiny.json"
+    command = [sys.executable, str(BENCH / "bench_distributed.py"), "--tiny", "--data", str(folder), "--out", str(out)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    arms = json.loads(out.read_text())["arms"]
+    steps = bench_distributed.TINY_RUN["steps"]
+    single, ddp = arms["single"], arms["ddp"]
+    for arm, world in ((single, 1), (ddp, 2)):
+        assert "error" not in arm, arm.get("output_tail")
+        assert arm["world_size"] == world and arm["hf_gradient_checkpointing"]
+        assert len(arm["losses"]) == steps and all(math.isfinite(x) for x in arm["losses"])
+        assert arm["tokens_per_s"] > 0 and arm["median_step_ms"] > 0
+        assert arm["env"]["NCCL_NVLS_ENABLE"] == "0"
+    assert ddp["parallel_mode"] == "ParallelMode.DISTRIBUTED"
+    assert ddp["steps"][-1]["tokens_seen"] == single["steps"][-1]["tokens_seen"]  # the same chunks
+    # float32 on the CPU: the same global batch and order give the same losses up to summation order
+    assert ddp["max_abs_loss_difference_to_single"] < 1e-4 * single["losses"][0]
+    assert "skipped" in arms["fsdp2"]
+
+
+@pytest.mark.parametrize("arm", bench_distributed.ARMS)
+def test_gpu_arm_commands_launch_what_they_claim(arm, tmp_path):
+    """The GPU arms' commands, parsed as accelerate launch and s2-train parse them (without running them)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    run = bench_distributed.GPU_RUN
+    command, env = bench_distributed.arm_command(arm, run, tmp_path / "data", tmp_path, tiny=False)
+    assert env.items() >= bench_distributed.NVLS_OFF.items()
+    script = command.index(str(Path(bench_distributed.__file__).resolve()))
+    worker_args = command[script + 1 :]
+    assert worker_args[:2] == ["--worker", str(tmp_path / "record.json")]
+    s2_train_argv = worker_args[2:] + ["--use_cpu"]  # parsed here, on a machine without GPUs
+    model_args, data_args, training_args = HfArgumentParser(
+        (train_script.ModelArguments, train_script.DataTrainingArguments, train_script.TrainingArguments)
+    ).parse_args_into_dataclasses(args=s2_train_argv)
+    per_device = run["global_batch"] // (1 if arm == "single" else bench_distributed.NUM_PROCESSES)
+    assert training_args.per_device_train_batch_size == per_device
+    assert training_args.include_num_input_tokens_seen == "all" and training_args.bf16
+    assert data_args.packing and data_args.block_size == run["block_size"]
+    assert training_args.train_sampling_strategy == "sequential" and training_args.max_steps == run["steps"]
+    # HF checkpointing for single/ddp; FSDP checkpoints itself (Trainer refuses both at once)
+    assert ("--gradient_checkpointing" in worker_args) == (arm != "fsdp2")
+    if arm == "single":
+        assert command[0] == sys.executable and command[1] == str(Path(bench_distributed.__file__).resolve())
+        assert env["CUDA_VISIBLE_DEVICES"] == os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+        return
+    launch = launch_command_parser().parse_args(command[3:])
+    launch, _, _ = _validate_launch_command(launch)
+    launch_env = prepare_multi_gpu_env(launch)
+    assert launch.num_processes == bench_distributed.NUM_PROCESSES and launch.mixed_precision == "bf16"
+    assert launch.training_script == command[script] and launch.training_script_args == worker_args
+    if arm == "ddp":
+        assert launch.multi_gpu and not launch.use_fsdp
+    else:
+        assert launch_env["ACCELERATE_USE_FSDP"] == "true" and launch_env["FSDP_VERSION"] == "2"
+        assert launch_env["FSDP_ACTIVATION_CHECKPOINTING"] == "true"
+        assert launch_env["FSDP_TRANSFORMER_CLS_TO_WRAP"] == "S2LlamaDecoderLayer"
