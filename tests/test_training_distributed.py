@@ -1,8 +1,9 @@
-"""Beyond one process, on CPU with gloo: ``s2-train`` under ``torchrun`` (DDP) trains as the one-process run with the
-same global batch, FSDP2's ``fully_shard`` gives the unwrapped model's gradients, and the accelerate configs under
-``training/accelerate`` are the launcher's valid DDP / FSDP2 configs. The GPU runs are issue 12's."""
+"""Beyond one process: ``s2-train`` under ``torchrun`` (DDP, CPU with gloo) trains as the one-process run with the
+same global batch; FSDP2's ``fully_shard`` over two processes gives the unsharded model's gradients
+(tests/fsdp2_worker.py: on the CPU with gloo, and on 2 GPUs with NCCL and the Triton kernels); the accelerate configs
+under ``training/accelerate`` are the launcher's valid DDP / FSDP2 configs. The 2-GPU training runs are
+bench/bench_distributed.py's (issue 12)."""
 
-import copy
 import json
 import os
 import subprocess
@@ -11,15 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from transformers import DataCollatorWithFlattening
 
-from s2_models import S2LlamaConfig, S2LlamaForCausalLM, hybrid_sparsity
 from s2_models.training import train as train_script
 from s2_models.training.data import iter_documents
 from s2_models.training.tokenizer import load_tiny_tokenizer
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from bench_distributed import NVLS_OFF  # noqa: E402
+
 ACCELERATE_CONFIGS = Path(train_script.__file__).parent / "accelerate"
+FSDP2_WORKER = Path(__file__).with_name("fsdp2_worker.py")
 PATTERN = {"block_size": 16, "local_blocks": 2, "vert_stride": 4}
 TINY_OVERRIDES = ("hidden_size=64,intermediate_size=128,num_hidden_layers=3,num_attention_heads=4,"
                   "num_key_value_heads=2,head_dim=16,max_position_embeddings=256")
@@ -68,35 +70,44 @@ def test_torchrun_two_processes_match_one_process_with_the_same_global_batch(tra
     assert len(logged_losses(one)) == 3
 
 
-def test_fsdp2_fully_shard_gradients_match_the_unwrapped_model(tmp_path):
-    """FSDP2 on the CPU (gloo, world size 1): each decoder layer and the model sharded as the fsdp2 config does;
-    a packed training step's loss and gradients equal the plain model's."""
-    from torch.distributed.fsdp import fully_shard
+@pytest.mark.gpu
+def test_train_metrics_hold_the_fullest_gpus_peak_memory(train_file, tmp_path):
+    """On GPUs, s2-train's train metrics hold the peak memory of the fullest GPU of all processes."""
+    processes = min(2, torch.cuda.device_count())
+    env = {**os.environ, **NVLS_OFF, "HF_HUB_OFFLINE": "1"}
+    argv = [arg for arg in s2_train_args(train_file, tmp_path, 2) if arg != "--use_cpu"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+               "-m", "s2_models.training.train", *argv]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    with open(tmp_path / "train_results.json") as f:
+        peak = json.load(f)["train_peak_memory_gib"]
+    assert 0 < peak < torch.cuda.get_device_properties(0).total_memory / 2**30
 
-    torch.manual_seed(0)
-    config = S2LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sparsity=hybrid_sparsity(3, PATTERN, dense_layers=(0,)),
-    )
-    reference = S2LlamaForCausalLM(config)
-    sharded = copy.deepcopy(reference)
-    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
-        [{"input_ids": torch.randint(0, 300, (n,)).tolist()} for n in (100, 37, 64)]
-    )
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        for layer in sharded.model.layers:
-            fully_shard(layer)
-        fully_shard(sharded)
-        loss = sharded(**batch).loss
-        loss.backward()
-        expected = reference(**batch).loss
-        expected.backward()
-        torch.testing.assert_close(loss, expected)
-        for (name, param), (_, sharded_param) in zip(reference.named_parameters(), sharded.named_parameters()):
-            torch.testing.assert_close(sharded_param.grad.full_tensor(), param.grad, msg=name)
-    finally:
-        dist.destroy_process_group()
+
+def run_fsdp2_worker(device: str) -> str:
+    """tests/fsdp2_worker.py on two processes; returns its output (it exits non-zero on a mismatch)."""
+    env = {**os.environ, **NVLS_OFF, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(FSDP2_WORKER), "--device", device]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result.stdout
+
+
+def test_fsdp2_two_processes_give_the_unsharded_gradients():
+    """FSDP2 on the CPU (gloo, 2 processes, the PyTorch attention path): two AdamW steps on packed batches split
+    unevenly across the ranks; loss and every gradient as the unsharded model's, fp32 and accelerate's bf16 policy."""
+    output = run_fsdp2_worker("cpu")
+    assert "[fp32] gradients" in output and "[bf16] gradients" in output, output
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_fsdp2_two_gpus_give_the_unsharded_gradients():
+    """The same on 2 GPUs: NCCL, and the sparse and packed dense layers run the Triton kernels."""
+    output = run_fsdp2_worker("cuda")
+    assert "[fp32] gradients" in output and "[bf16] gradients" in output, output
 
 
 @pytest.mark.parametrize("name, distributed_type", [("ddp", "MULTI_GPU"), ("fsdp2", "FSDP")])
