@@ -4,8 +4,9 @@ The model: a ~113M-parameter S2 hybrid trained from scratch (``quality_study.SCR
 12 query / 4 KV heads of 64, SmolLM2's 49152-token vocabulary, tied embeddings; layers 0-1 dense, the others
 ``quality_study.DEFAULT_PATTERN``: blocks of 64, 4 local blocks, every 8th block, stripes shifted per head). Every
 arm runs ``s2-train`` with the same seed, data order (``--train_sampling_strategy sequential``) and global batch:
-16 packed chunks of up to 2048 tokens a step, bf16 autocast on fp32 weights, AdamW (lr 6e-4, 5 warm-up steps, linear
-decay), activation checkpointing, 50 steps:
+16 packed chunks of up to 2048 tokens a step (~32k tokens), ``--bf16``, AdamW (lr 6e-4, 5 warm-up steps, linear
+decay), activation checkpointing, 50 steps. ``--bf16`` is autocast on fp32 weights for ``single`` and ``ddp``; under
+the FSDP2 config accelerate also keeps bf16 copies of the weights for compute and reduces gradients in bf16:
 
 - ``single``: one GPU (the first visible), per-device batch 16, ``--gradient_checkpointing``;
 - ``ddp``: ``accelerate launch --config_file training/accelerate/ddp.yaml --num_processes 2``, per-device batch 8,
@@ -27,9 +28,10 @@ NVLink multicast (NVLS) stays off: ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISA
 
 Commands::
 
-    # 1. on a machine of the project with SmolLM2's tokenizer cached (the CPU machine): tokenizer + ~8 MB of text
+    # 1. on a machine of the project with SmolLM2's tokenizer cached (the CPU machine): tokenizer + 7.5 MB of text
     python bench/bench_distributed.py --prepare .gpu/dist
-    # 2. on the 2-GPU machine, .gpu/dist carried along: all three arms, about 4 min on 2 H200s (1-1.5 min an arm)
+    # 2. on the 2-GPU machine, .gpu/dist carried along: all three arms; expected (not yet measured) about 4 min on
+    #    2 H200s, mostly start-up: imports, tokenizing (first arm), Triton compilation and autotuning, the final save
     python bench/bench_distributed.py --data .gpu/dist --out bench/results/distributed_<gpu>.json
 
 ``--arms ddp,fsdp2`` runs some arms only. ``--tiny`` is a CPU smoke run of this script (a tiny model, the cached
@@ -59,8 +61,8 @@ from quality_study import DEFAULT_PATTERN, SCRATCH_CONFIG, TINY_CONFIG, TINY_PAT
 
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE_CONFIGS = REPO / "training" / "accelerate"
-# NVLink multicast off in every process: NCCL's NVLS algorithms, PyTorch's symmetric memory and NVSHMEM would
-# otherwise use it on NVSwitch hosts, where the GPU machines do not support it.
+# NVLink multicast off in every process (NCCL's NVLS algorithms, PyTorch's symmetric memory, NVSHMEM): on the shared
+# GPU hosts this runs on, a program that uses it can put every GPU of the host out of service.
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 ARMS = ("single", "ddp", "fsdp2")
 NUM_PROCESSES = 2  # GPUs of the ddp and fsdp2 arms
