@@ -138,6 +138,7 @@ def worker(record_path: str, s2_train_argv: list[str]) -> None:
 
         def __init__(self):
             self.record = {"steps": [], "losses": []}
+            self.writes_record = False  # rank 0 only
 
         def _now(self, args) -> float:
             if args.device.type == "cuda":
@@ -145,8 +146,10 @@ def worker(record_path: str, s2_train_argv: list[str]) -> None:
             return time.perf_counter()
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
             from torch.distributed.fsdp import FSDPModule
 
+            self.writes_record = state.is_world_process_zero
             modules = list(model.modules())
             self.record.update(
                 model_class=type(model).__name__,
@@ -155,7 +158,7 @@ def worker(record_path: str, s2_train_argv: list[str]) -> None:
                 parallel_mode=str(args.parallel_mode),
                 fsdp_modules=sum(isinstance(m, FSDPModule) for m in modules),
                 hf_gradient_checkpointing=bool(getattr(model, checkpointing_flag, False)),
-                checkpoint_wrapped_modules=sum(type(m).__name__ == "CheckpointWrapper" for m in modules),
+                checkpoint_wrapped_modules=sum(isinstance(m, CheckpointWrapper) for m in modules),  # FSDP's own AC
                 bf16=args.bf16,
                 device=torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu",
             )
@@ -170,13 +173,15 @@ def worker(record_path: str, s2_train_argv: list[str]) -> None:
                 self.record["losses"].append(logs["loss"])
 
         def on_train_end(self, args, state, control, **kwargs):
-            if state.is_world_process_zero:
+            if self.writes_record:
                 Path(record_path).write_text(json.dumps(self.record))
 
     timer = StepTimer()
     train.main(s2_train_argv, callbacks=[timer])
+    if not timer.writes_record:
+        return
     output_dir = Path(s2_train_argv[s2_train_argv.index("--output_dir") + 1])
-    metrics = output_dir / "train_results.json"  # rank 0's (Trainer.save_metrics)
+    metrics = output_dir / "train_results.json"  # written by rank 0 (Trainer.save_metrics)
     if metrics.is_file() and Path(record_path).is_file():
         timer.record["train_metrics"] = json.loads(metrics.read_text())
         Path(record_path).write_text(json.dumps(timer.record))
