@@ -30,8 +30,10 @@ Commands::
 
     # 1. on a machine of the project with SmolLM2's tokenizer cached (the CPU machine): tokenizer + 7.5 MB of text
     python bench/bench_distributed.py --prepare .gpu/dist
-    # 2. on the 2-GPU machine, .gpu/dist carried along: all three arms; expected (not yet measured) about 4 min on
-    #    2 H200s, mostly start-up: imports, tokenizing (first arm), Triton compilation and autotuning, the final save
+    # 2. on the 2-GPU machine, .gpu/dist carried along: all three arms; expected (not yet measured) 3-4 min on
+    #    2 H200s, mostly start-up (imports, tokenizing, Triton compilation and autotuning, the final save): this model
+    #    trained at ~233k tokens/s on one H200 without checkpointing (bench/results/quality_study_scratch.json), so
+    #    the 50 steps of ~32k tokens take ~10 s an arm
     python bench/bench_distributed.py --data .gpu/dist --out bench/results/distributed_<gpu>.json
 
 ``--arms ddp,fsdp2`` runs some arms only. ``--tiny`` is a CPU smoke run of this script (a tiny model, the cached
