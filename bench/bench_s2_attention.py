@@ -181,7 +181,7 @@ def compare(rows: list, baselines: list, budget: float, only: str | None) -> Non
 
     modes = ("fwd", "fwd+bwd")
     for name, fields, batch, seqlen, heads, kv_heads, head_dim in COMPARE_SHAPES:
-        if only and only not in name:
+        if only and not any(part in name for part in only.split(";")):
             continue
         pattern = S2Pattern(vert_stride=16, head_sliding_offset=0, head_sliding_step=max(1, 16 // heads), **fields)
         shape = (pattern, batch, heads, kv_heads, seqlen, head_dim, modes, budget)
@@ -263,7 +263,8 @@ def main():
     parser.add_argument("--budget-ms", type=float, default=None, help="timing budget per measurement")
     parser.add_argument("--compare", choices=["dkernel"], default=None,
                         help="only issue 9's shapes: s2 vs dkernel vs cuDNN, with ratios")
-    parser.add_argument("--only", default=None, help="with --compare: shapes whose name contains this")
+    parser.add_argument("--only", default=None,
+                        help="with --compare: shapes whose name contains one of these (separated by ';')")
     args = parser.parse_args()
     seqlens = [int(t) for t in (args.seqlens or ("131072" if args.quick else "8192,32768,131072")).split(",")]
     flex_blocks = [int(b) for b in (args.flex_blocks or ("128" if args.quick else "128,64")).split(",")]
