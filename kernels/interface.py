@@ -245,6 +245,7 @@ def _check_varlen(q, k, causal, cu_q, cu_k, max_q, max_k) -> Varlen:
         cu_seqlens_k=cu_k.to(device=device, dtype=torch.int32),
         max_seqlen_q=actual_q,
         max_seqlen_k=actual_k,
+        equal_lengths=lens_q == lens_k,
     )
 
 
@@ -345,6 +346,7 @@ def padding_to_varlen(attention_mask: torch.Tensor, q_len: int):
         cu_seqlens_k=torch.cat([zero, lens_k.cumsum(0).int()]),
         max_seqlen_q=int(lens_q.max()),
         max_seqlen_k=int(lens_k.max()),
+        equal_lengths=q_len == tk,
     )
     return q_index, k_index, varlen
 

@@ -48,6 +48,7 @@ class Varlen:
     cu_seqlens_k: torch.Tensor  # int32 [S + 1]
     max_seqlen_q: int
     max_seqlen_k: int
+    equal_lengths: bool = False  # every sequence's query length equals its key length (queries are the keys' tokens)
 
     @property
     def num_seqs(self) -> int:

@@ -27,6 +27,7 @@ reproducible (gradient checkpointing recomputes exactly).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections import OrderedDict
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .layouts import BlockLayout, Varlen
-from .triton_setup import tl, triton
+from .triton_setup import TensorDescriptor, tl, triton
 
 LOG2E = math.log2(math.e)
 
@@ -121,6 +122,17 @@ def row_mask(row_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _descriptor_origin(seq, head, stride_b, stride_h, stride_t, TMA: tl.constexpr):
+    """``(row, column)`` where the rows of (sequence or batch row ``seq``, ``head``) start in a ``_row_descriptor``
+    view ``[rows, stride_t]`` of the tensor; ``(0, 0)`` when TMA is off."""
+    if TMA:
+        offset = seq.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h
+        return (offset // stride_t).to(tl.int32), (offset % stride_t).to(tl.int32)
+    else:
+        return 0, 0
+
+
+@triton.jit
 def _load_rows(base, rows, row_ok, stride_t, stride_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Load ``[len(rows), BLOCK_D]`` (zero for rows not ok and for the D padding)."""
     d = tl.arange(0, BLOCK_D)
@@ -137,16 +149,26 @@ def _store_rows(base, value, rows, row_ok, stride_t, stride_d, HEAD_DIM: tl.cons
 
 @triton.jit
 def _fwd_step(
-    acc, m_i, l_i, q_tile, q_pos, block_in_tile, k_head, v_head, list_base, bits_base, entry, num_entries, k_start,
-    seqlen_k, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale,
+    acc, m_i, l_i, q_tile, q_pos, block_in_tile, k_head, v_head, k_desc, v_desc, k_origin, v_origin, list_base,
+    bits_base, entry, num_entries, k_start, seqlen_k, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    UNIT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UNIT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """One online-softmax update of the query tile with a gathered tile of ``BLOCK_N`` keys."""
-    k_pos, listed = _gather_positions(list_base, entry, num_entries, BLOCK_N, UNIT)
-    key_real = listed & (k_pos < seqlen_k)
-    # [BLOCK_N, BLOCK_D]
-    k_tile = _load_rows(k_head, k_start + k_pos, key_real, stride_kt, stride_kd, HEAD_DIM, BLOCK_D)
+    """One online-softmax update of the query tile with a gathered tile of ``BLOCK_N`` keys.
+
+    With ``TMA`` (unmasked causal steps whose key tile is one contiguous unit) K and V come through the tensor memory
+    accelerator: ``k_desc`` / ``v_desc`` view them as rows (``_row_descriptor``), the head's rows starting at
+    ``k_origin`` / ``v_origin`` (``_descriptor_origin``). Every key of such a step is real, so nothing is masked.
+    """
+    if TMA:
+        first_row = k_start + tl.load(list_base + entry) * UNIT
+        k_tile = k_desc.load([k_origin[0] + first_row, k_origin[1]])  # [BLOCK_N, BLOCK_D]
+    else:
+        k_pos, listed = _gather_positions(list_base, entry, num_entries, BLOCK_N, UNIT)
+        key_real = listed & (k_pos < seqlen_k)
+        # [BLOCK_N, BLOCK_D]
+        k_tile = _load_rows(k_head, k_start + k_pos, key_real, stride_kt, stride_kd, HEAD_DIM, BLOCK_D)
     s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
     if MASKED:
         keep_bits = _entry_bits(bits_base, entry, num_entries, BLOCK_N, UNIT)
@@ -161,7 +183,10 @@ def _fwd_step(
     alpha = tl.math.exp2(m_i - m_safe)
     p = tl.math.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v_tile = _load_rows(v_head, k_start + k_pos, key_real, stride_vt, stride_vd, HEAD_DIM, BLOCK_D)
+    if TMA:
+        v_tile = v_desc.load([v_origin[0] + first_row, v_origin[1]])
+    else:
+        v_tile = _load_rows(v_head, k_start + k_pos, key_real, stride_vt, stride_vd, HEAD_DIM, BLOCK_D)
     acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -169,6 +194,7 @@ def _fwd_step(
 @triton.jit
 def s2_attention_fwd_kernel(
     q, k, v, out, lse,  # [B, Hq, Tq, D], [B, Hkv, Tk, D], [B, Hkv, Tk, D], [B, Hq, Tq, D], [B, Hq, Tq] float32
+    k_desc, v_desc,  # TMA descriptors of k and v (_row_descriptor), None unless TMA
     unit_lists, unit_bits, unit_counts,  # int32 [P, num_q_tiles, L] kept key units and their keep bits (see
     # build_unit_lists); int32 [P, num_q_tiles, 2] (full, total)
     cu_seqlens_q, cu_seqlens_k,  # int32 [S + 1], read only when IS_VARLEN
@@ -181,11 +207,13 @@ def s2_attention_fwd_kernel(
     seqlen_q, seqlen_k, qk_scale, q_heads_per_pattern, q_heads_per_kv,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, UNIT: tl.constexpr, CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, MASKED_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(num_q_tiles, Hq, B or S)``; program = one query tile of ``BLOCK_M`` absolute positions of one head.
 
     ``qk_scale = scale * log2(e)``. Batch strides are 0 when IS_VARLEN (B == 1; rows start at ``cu_seqlens``).
+    ``TMA``: the unmasked steps load K and V through ``k_desc`` / ``v_desc``; ``MASKED_STAGES``: the pipelining
+    depth of the masked (partial-entry) loop.
     """
     q_head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -211,6 +239,8 @@ def s2_attention_fwd_kernel(
         unit_lists, unit_bits, unit_counts, pattern_head, tile, stride_up, stride_ut, stride_cp, stride_ct
     )
     block_in_tile = q_pos // BLOCK_SIZE - (tile * BLOCK_M) // BLOCK_SIZE  # [BLOCK_M] bit index of each row's block
+    k_origin = _descriptor_origin(seq, kv_head, stride_kb, stride_kh, stride_kt, TMA)
+    v_origin = _descriptor_origin(seq, kv_head, stride_vb, stride_vh, stride_vt, TMA)
 
     m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -218,15 +248,15 @@ def s2_attention_fwd_kernel(
     GROUP: tl.constexpr = BLOCK_N // UNIT
     for entry in range(0, num_full, GROUP):
         acc, m_i, l_i = _fwd_step(
-            acc, m_i, l_i, q_tile, q_pos, block_in_tile, k_head, v_head, list_base, bits_base, entry, num_entries,
-            k_start, seqlen_k, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UNIT, CAUSAL, False, DOT_PRECISION,
+            acc, m_i, l_i, q_tile, q_pos, block_in_tile, k_head, v_head, k_desc, v_desc, k_origin, v_origin,
+            list_base, bits_base, entry, num_entries, k_start, seqlen_k, stride_kt, stride_kd, stride_vt, stride_vd,
+            qk_scale, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UNIT, CAUSAL, False, TMA, DOT_PRECISION,
         )
-    for entry in tl.range(num_full, num_entries, GROUP, num_stages=1):  # see _gather_positions
+    for entry in tl.range(num_full, num_entries, GROUP, num_stages=MASKED_STAGES):  # see _gather_positions
         acc, m_i, l_i = _fwd_step(
-            acc, m_i, l_i, q_tile, q_pos, block_in_tile, k_head, v_head, list_base, bits_base, entry, num_entries,
-            k_start, seqlen_k, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UNIT, CAUSAL, True, DOT_PRECISION,
+            acc, m_i, l_i, q_tile, q_pos, block_in_tile, k_head, v_head, k_desc, v_desc, k_origin, v_origin,
+            list_base, bits_base, entry, num_entries, k_start, seqlen_k, stride_kt, stride_kd, stride_vt, stride_vd,
+            qk_scale, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UNIT, CAUSAL, True, False, DOT_PRECISION,
         )
 
     seen = l_i > 0
@@ -275,17 +305,24 @@ def _load_softmax_stats(lse_head, delta_head, rows, row_ok, stride_lt):
 
 @triton.jit
 def _bwd_dq_step(
-    dq, q_tile, do_tile, lse_row, delta_row, q_pos, block_in_tile, k_head, v_head, list_base, bits_base, entry,
-    num_entries, k_start, seqlen_k, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale,
+    dq, q_tile, do_tile, lse_row, delta_row, q_pos, block_in_tile, k_head, v_head, k_desc, v_desc, k_origin,
+    v_origin, list_base, bits_base, entry, num_entries, k_start, seqlen_k, stride_kt, stride_kd, stride_vt,
+    stride_vd, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    UNIT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UNIT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Accumulate ``dS @ K`` (unscaled) of the query tile against a gathered tile of ``BLOCK_N`` keys."""
-    k_pos, listed = _gather_positions(list_base, entry, num_entries, BLOCK_N, UNIT)
-    key_real = listed & (k_pos < seqlen_k)
-    # [BLOCK_N, BLOCK_D]
-    k_tile = _load_rows(k_head, k_start + k_pos, key_real, stride_kt, stride_kd, HEAD_DIM, BLOCK_D)
-    v_tile = _load_rows(v_head, k_start + k_pos, key_real, stride_vt, stride_vd, HEAD_DIM, BLOCK_D)
+    """Accumulate ``dS @ K`` (unscaled) of the query tile against a gathered tile of ``BLOCK_N`` keys (``TMA``: as in
+    ``_fwd_step``)."""
+    if TMA:
+        first_row = k_start + tl.load(list_base + entry) * UNIT
+        k_tile = k_desc.load([k_origin[0] + first_row, k_origin[1]])  # [BLOCK_N, BLOCK_D]
+        v_tile = v_desc.load([v_origin[0] + first_row, v_origin[1]])
+    else:
+        k_pos, listed = _gather_positions(list_base, entry, num_entries, BLOCK_N, UNIT)
+        key_real = listed & (k_pos < seqlen_k)
+        # [BLOCK_N, BLOCK_D]
+        k_tile = _load_rows(k_head, k_start + k_pos, key_real, stride_kt, stride_kd, HEAD_DIM, BLOCK_D)
+        v_tile = _load_rows(v_head, k_start + k_pos, key_real, stride_vt, stride_vd, HEAD_DIM, BLOCK_D)
     s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     p = tl.math.exp2(s - lse_row[:, None])
     if MASKED:
@@ -303,6 +340,7 @@ def _bwd_dq_step(
 @triton.jit
 def s2_attention_bwd_dq_kernel(
     q, k, v, dout, lse, delta, dq,  # q/dout/dq [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], lse [B, Hq, Tq], delta contiguous
+    k_desc, v_desc,  # as in s2_attention_fwd_kernel
     unit_lists, unit_bits, unit_counts, cu_seqlens_q, cu_seqlens_k,  # as in s2_attention_fwd_kernel
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
@@ -314,7 +352,7 @@ def s2_attention_bwd_dq_kernel(
     seqlen_q, seqlen_k, stride_db, stride_dh, scale, qk_scale, q_heads_per_pattern, q_heads_per_kv,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, UNIT: tl.constexpr, CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, MASKED_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(num_q_tiles, Hq, B or S)``: dq of one query tile over its kept keys (same lists as the forward)."""
     q_head = tl.program_id(1)
@@ -346,20 +384,24 @@ def s2_attention_bwd_dq_kernel(
         unit_lists, unit_bits, unit_counts, pattern_head, tile, stride_up, stride_ut, stride_cp, stride_ct
     )
     block_in_tile = q_pos // BLOCK_SIZE - (tile * BLOCK_M) // BLOCK_SIZE  # [BLOCK_M] bit index of each row's block
+    k_origin = _descriptor_origin(seq, kv_head, stride_kb, stride_kh, stride_kt, TMA)
+    v_origin = _descriptor_origin(seq, kv_head, stride_vb, stride_vh, stride_vt, TMA)
 
     dq_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     GROUP: tl.constexpr = BLOCK_N // UNIT
     for entry in range(0, num_full, GROUP):
         dq_acc = _bwd_dq_step(
-            dq_acc, q_tile, do_tile, lse_row, delta_row, q_pos, block_in_tile, k_head, v_head, list_base, bits_base,
-            entry, num_entries, k_start, seqlen_k, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UNIT, CAUSAL, False, DOT_PRECISION,
+            dq_acc, q_tile, do_tile, lse_row, delta_row, q_pos, block_in_tile, k_head, v_head, k_desc, v_desc,
+            k_origin, v_origin, list_base, bits_base, entry, num_entries, k_start, seqlen_k, stride_kt, stride_kd,
+            stride_vt, stride_vd, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UNIT, CAUSAL, False, TMA,
+            DOT_PRECISION,
         )
-    for entry in tl.range(num_full, num_entries, GROUP, num_stages=1):  # see _gather_positions
+    for entry in tl.range(num_full, num_entries, GROUP, num_stages=MASKED_STAGES):  # see _gather_positions
         dq_acc = _bwd_dq_step(
-            dq_acc, q_tile, do_tile, lse_row, delta_row, q_pos, block_in_tile, k_head, v_head, list_base, bits_base,
-            entry, num_entries, k_start, seqlen_k, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UNIT, CAUSAL, True, DOT_PRECISION,
+            dq_acc, q_tile, do_tile, lse_row, delta_row, q_pos, block_in_tile, k_head, v_head, k_desc, v_desc,
+            k_origin, v_origin, list_base, bits_base, entry, num_entries, k_start, seqlen_k, stride_kt, stride_kd,
+            stride_vt, stride_vd, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UNIT, CAUSAL, True, False,
+            DOT_PRECISION,
         )
     dq_head = dq + seq.to(tl.int64) * stride_dqb + q_head.to(tl.int64) * stride_dqh
     _store_rows(dq_head, dq_acc * scale, rows, row_real, stride_dqt, stride_dqd, HEAD_DIM, BLOCK_D)
@@ -368,17 +410,25 @@ def s2_attention_bwd_dq_kernel(
 @triton.jit
 def _bwd_dkdv_step(
     dk, dv, k_tile, v_tile, k_pos, block_in_tile, key_real, q_head_base, do_head_base, lse_head, delta_head,
-    list_base, bits_base, entry, num_entries, q_start, first_pos, seqlen_k,
+    q_desc, do_desc, q_origin, do_origin, list_base, bits_base, entry, num_entries, q_start, first_pos, seqlen_k,
     stride_qt, stride_qd, stride_gt, stride_gd, stride_lt, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    UNIT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UNIT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Accumulate dV and dK (unscaled) of the key tile against a gathered tile of ``BLOCK_M`` queries of one head."""
+    """Accumulate dV and dK (unscaled) of the key tile against a gathered tile of ``BLOCK_M`` queries of one head.
+
+    With ``TMA`` (unmasked causal steps whose query tile is one contiguous unit) Q and dO come through ``q_desc`` /
+    ``do_desc`` as K and V do in ``_fwd_step``; every query of such a step is real (the tile is a full entry)."""
     q_pos, listed = _gather_positions(list_base, entry, num_entries, BLOCK_M, UNIT)
     row_real = listed & (q_pos >= first_pos) & (q_pos < seqlen_k)
     rows = q_start + q_pos - first_pos
-    q_tile = _load_rows(q_head_base, rows, row_real, stride_qt, stride_qd, HEAD_DIM, BLOCK_D)  # [BLOCK_M, BLOCK_D]
-    do_tile = _load_rows(do_head_base, rows, row_real, stride_gt, stride_gd, HEAD_DIM, BLOCK_D)
+    if TMA:
+        first_row = q_start + tl.load(list_base + entry) * UNIT - first_pos
+        q_tile = q_desc.load([q_origin[0] + first_row, q_origin[1]])  # [BLOCK_M, BLOCK_D]
+        do_tile = do_desc.load([do_origin[0] + first_row, do_origin[1]])
+    else:
+        q_tile = _load_rows(q_head_base, rows, row_real, stride_qt, stride_qd, HEAD_DIM, BLOCK_D)  # [BLOCK_M, BLOCK_D]
+        do_tile = _load_rows(do_head_base, rows, row_real, stride_gt, stride_gd, HEAD_DIM, BLOCK_D)
     lse_row, delta_row = _load_softmax_stats(lse_head, delta_head, rows, row_real, stride_lt)
     s_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
     p_t = tl.math.exp2(s_t - lse_row[None, :])  # rows that are not real have lse = +inf: p = 0
@@ -398,6 +448,7 @@ def _bwd_dkdv_step(
 @triton.jit
 def s2_attention_bwd_dkdv_kernel(
     q, k, v, dout, lse, delta, dk, dv,  # q/dout [B, Hq, Tq, D], k/v/dk/dv [B, Hkv, Tk, D], lse/delta [B, Hq, Tq]
+    q_desc, do_desc,  # TMA descriptors of q and dout (_row_descriptor), None unless TMA
     unit_lists, unit_bits, unit_counts,  # int32 [P, num_k_tiles, L] query units reading each key tile, their keep
     # bits; int32 [P, num_k_tiles, 2]
     cu_seqlens_q, cu_seqlens_k,
@@ -412,7 +463,7 @@ def s2_attention_bwd_dkdv_kernel(
     seqlen_q, seqlen_k, stride_db, stride_dh, scale, qk_scale, q_heads_per_pattern, q_heads_per_kv,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, UNIT: tl.constexpr, CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, MASKED_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(num_k_tiles, Hkv, B or S)``: dK, dV of ``BLOCK_N`` keys of one KV head, reduced over its whole query
     group in registers (GQA without copies or atomics)."""
@@ -446,19 +497,21 @@ def s2_attention_bwd_dkdv_kernel(
         list_base, bits_base, num_full, num_entries = _tile_list(
             unit_lists, unit_bits, unit_counts, pattern_head, tile, stride_up, stride_ut, stride_cp, stride_ct
         )
+        q_origin = _descriptor_origin(seq, q_head, stride_qb, stride_qh, stride_qt, TMA)
+        do_origin = _descriptor_origin(seq, q_head, stride_gb, stride_gh, stride_gt, TMA)
         for entry in range(0, num_full, GROUP):
             dk_acc, dv_acc = _bwd_dkdv_step(
                 dk_acc, dv_acc, k_tile, v_tile, k_pos, block_in_tile, key_real, q_head_base, do_head_base, lse_head,
-                delta_head, list_base, bits_base, entry, num_entries, q_start, first_pos, seqlen_k,
-                stride_qt, stride_qd, stride_gt, stride_gd, stride_lt, qk_scale,
-                HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_M, UNIT, CAUSAL, False, DOT_PRECISION,
+                delta_head, q_desc, do_desc, q_origin, do_origin, list_base, bits_base, entry, num_entries, q_start,
+                first_pos, seqlen_k, stride_qt, stride_qd, stride_gt, stride_gd, stride_lt, qk_scale,
+                HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_M, UNIT, CAUSAL, False, TMA, DOT_PRECISION,
             )
-        for entry in tl.range(num_full, num_entries, GROUP, num_stages=1):  # see _gather_positions
+        for entry in tl.range(num_full, num_entries, GROUP, num_stages=MASKED_STAGES):  # see _gather_positions
             dk_acc, dv_acc = _bwd_dkdv_step(
                 dk_acc, dv_acc, k_tile, v_tile, k_pos, block_in_tile, key_real, q_head_base, do_head_base, lse_head,
-                delta_head, list_base, bits_base, entry, num_entries, q_start, first_pos, seqlen_k,
-                stride_qt, stride_qd, stride_gt, stride_gd, stride_lt, qk_scale,
-                HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_M, UNIT, CAUSAL, True, DOT_PRECISION,
+                delta_head, q_desc, do_desc, q_origin, do_origin, list_base, bits_base, entry, num_entries, q_start,
+                first_pos, seqlen_k, stride_qt, stride_qd, stride_gt, stride_gd, stride_lt, qk_scale,
+                HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_M, UNIT, CAUSAL, True, False, DOT_PRECISION,
             )
     dk_head = dk + seq.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
     dv_head = dv + seq.to(tl.int64) * stride_dvb + kv_head.to(tl.int64) * stride_dvh
@@ -583,6 +636,13 @@ INTERPRETER_CONFIGS = {
 # T=131072) runs 35.1 -> 29.6 ms forward and 134.7 -> 114.8 ms forward+backward at 2 stages; 3 stages adds
 # nothing (29.9 / 117.4 ms) and costs shared memory, so it is not tried.
 _PIPELINE_DEPTHS = (2, 1)
+# Masked (partial-entry) loops pipeline at 2 stages (their keep bits are scalar loads, like the list entries), and
+# unmasked steps whose gathered tile is one contiguous unit load it through TMA descriptors (_use_tma).
+# bench/kernel_variants.py on an H100 (2026-11-24, forced tiles, bench/results/kernel_variants_*.json): errors equal
+# to the pointer / unpipelined variant's on every case; forward 128x64 tile 29.2 -> 26.4 ms at T=131072 (TMA) and
+# forward+backward 1.03-1.14x faster (GQA D=64: 21.4 -> 18.7 ms; block 128: 33.6 -> 31.9 ms).
+_MASKED_LOOP_STAGES = 2
+_USE_TMA = True
 
 
 def _configs(*tiles: tuple[int, int, int]) -> list[TileConfig]:
@@ -681,6 +741,41 @@ def _problem(q: torch.Tensor, k: torch.Tensor, layout: BlockLayout, varlen: Varl
     return _Problem(num_seqs, max_q, max_k, varlen is not None, cu_q, cu_k, tune_key)
 
 
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    """Hopper and later GPUs have the tensor memory accelerator; the interpreter emulates it."""
+    return device.type != "cuda" or _interpreting(device) or torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _use_tma(layout: BlockLayout, gathered_tile: int, head_dim: int, device: torch.device) -> bool:
+    """Whether the unmasked steps load their gathered tiles through TMA descriptors: when such a tile is one
+    contiguous unit of rows (``block_size >= gathered_tile``), causal (so every row of an unmasked step is real, and
+    a box never needs a mask), ``D`` a power of two (a box is exactly one head's row) and the GPU has TMA."""
+    return (_USE_TMA and layout.causal and layout.block_size >= gathered_tile
+            and head_dim == triton.next_power_of_2(head_dim) and _has_tma(device))
+
+
+def _row_descriptor(t: torch.Tensor, block_rows: int):
+    """A TMA descriptor viewing ``t [B, H, T, D]`` as ``[rows, t.stride(2)]``, boxes of ``[block_rows, D]``, or None
+    where its layout does not allow it: every head's rows must lie inside rows of ``stride(2)`` elements, as in
+    ``[B, H, T, D]`` contiguous or the ``[B, T, H, D]`` projection output seen through a transpose. The kernels find
+    a head's first row and column from its offset (``_descriptor_origin``)."""
+    batch, heads, _, head_dim = t.shape
+    row_stride = t.stride(2)
+    aligned = t.stride(3) == 1 and (row_stride * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+    heads_fit = t.stride(1) % row_stride == 0 or t.stride(1) * (heads - 1) + head_dim <= row_stride
+    if not (aligned and heads_fit and (batch == 1 or t.stride(0) % row_stride == 0)):
+        return None
+    extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+    return TensorDescriptor(t, [-(-extent // row_stride), row_stride], [row_stride, 1], [block_rows, head_dim])
+
+
+def _row_descriptors(use_tma: bool, block_rows: int, *tensors: torch.Tensor) -> tuple:
+    """``_row_descriptor`` of each tensor when ``use_tma`` and all of them allow one, else Nones."""
+    descriptors = tuple(_row_descriptor(t, block_rows) for t in tensors) if use_tma else ()
+    return descriptors if descriptors and None not in descriptors else (None,) * len(tensors)
+
+
 def _common_constexprs(q: torch.Tensor, layout: BlockLayout, problem: _Problem) -> dict:
     head_dim = q.shape[-1]
     return dict(
@@ -713,13 +808,15 @@ def s2_attention_fwd(
     def launch(config: TileConfig):
         units, bits, counts = _unit_lists(layout, config.block_m, config.block_n, resident_is_query=True)
         grid = (problem.num_q_tiles(config.block_m), num_q_heads, problem.num_seqs)
+        k_desc, v_desc = _row_descriptors(_use_tma(layout, config.block_n, head_dim, q.device), config.block_n, k, v)
         s2_attention_fwd_kernel[grid](
-            q, k, v, out, lse, units, bits, counts, problem.cu_seqlens_q, problem.cu_seqlens_k,
+            q, k, v, out, lse, k_desc, v_desc, units, bits, counts, problem.cu_seqlens_q, problem.cu_seqlens_k,
             *problem.strides(q), *problem.strides(k), *problem.strides(v), *problem.strides(out),
             *problem.strides(lse), *units.stride()[:2], *counts.stride()[:2],
             seqlen_q, k.shape[2], scale * LOG2E, num_q_heads // layout.num_pattern_heads, num_q_heads // k.shape[1],
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, UNIT=min(layout.block_size, config.block_n),
-            num_warps=config.num_warps, num_stages=config.num_stages, **_common_constexprs(q, layout, problem),
+            TMA=k_desc is not None, MASKED_STAGES=_MASKED_LOOP_STAGES, num_warps=config.num_warps,
+            num_stages=config.num_stages, **_common_constexprs(q, layout, problem),
         )
 
     launch(_pick_config("fwd", problem.tune_key, head_dim, q.device, launch))
@@ -761,23 +858,35 @@ def s2_attention_bwd(
     def launch_dq(config: TileConfig):
         units, bits, counts = _unit_lists(layout, config.block_m, config.block_n, resident_is_query=True)
         grid = (problem.num_q_tiles(config.block_m), num_q_heads, problem.num_seqs)
+        k_desc, v_desc = _row_descriptors(_use_tma(layout, config.block_n, head_dim, q.device), config.block_n, k, v)
         s2_attention_bwd_dq_kernel[grid](
-            q, k, v, dout, lse, delta, dq, units, bits, counts, problem.cu_seqlens_q, problem.cu_seqlens_k,
+            q, k, v, dout, lse, delta, dq, k_desc, v_desc, units, bits, counts, problem.cu_seqlens_q,
+            problem.cu_seqlens_k,
             *shared_args, *problem.strides(dq), *problem.strides(lse),
             *units.stride()[:2], *counts.stride()[:2], *tail_args,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, UNIT=min(layout.block_size, config.block_n),
-            num_warps=config.num_warps, num_stages=config.num_stages, **constexprs,
+            TMA=k_desc is not None, MASKED_STAGES=_MASKED_LOOP_STAGES, num_warps=config.num_warps,
+            num_stages=config.num_stages, **constexprs,
         )
 
     def launch_dkdv(config: TileConfig):
         units, bits, counts = _unit_lists(layout, config.block_n, config.block_m, resident_is_query=False)
         grid = (triton.cdiv(problem.max_seqlen_k, config.block_n), num_kv_heads, problem.num_seqs)
+        # TMA boxes are not masked: only where queries and keys are the same tokens (training), so that no full
+        # query unit starts before a sequence's first query. Rows past a sequence's end (in its last unit) read the
+        # next rows of the tensor, or zeros past it, and their lse (+inf) gives them p = 0.
+        same_tokens = varlen.equal_lengths if varlen is not None else seqlen_q == k.shape[2]
+        q_desc, do_desc = _row_descriptors(
+            same_tokens and _use_tma(layout, config.block_m, head_dim, q.device), config.block_m, q, dout
+        )
         s2_attention_bwd_dkdv_kernel[grid](
-            q, k, v, dout, lse, delta, dk, dv, units, bits, counts, problem.cu_seqlens_q, problem.cu_seqlens_k,
+            q, k, v, dout, lse, delta, dk, dv, q_desc, do_desc, units, bits, counts, problem.cu_seqlens_q,
+            problem.cu_seqlens_k,
             *shared_args, *problem.strides(dk), *problem.strides(dv), *problem.strides(lse),
             *units.stride()[:2], *counts.stride()[:2], *tail_args,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, UNIT=min(layout.block_size, config.block_m),
-            num_warps=config.num_warps, num_stages=config.num_stages, **constexprs,
+            TMA=q_desc is not None, MASKED_STAGES=_MASKED_LOOP_STAGES, num_warps=config.num_warps,
+            num_stages=config.num_stages, **constexprs,
         )
 
     launch_dq(_pick_config("dq", problem.tune_key, head_dim, q.device, launch_dq))
