@@ -175,13 +175,20 @@ COMPARE_SHAPES = [
 ]
 
 
+# The same kernels doing dense causal work (a local window as long as the sequence keeps every causal block): their
+# efficiency against cuDNN on identical work separates the dense-tile speed from what sparsity costs.
+DENSE_WORK_SHAPES = [("dense work, T=8192", 16, 8192), ("dense work, T=32768", 4, 32768)]
+
+
 def compare(rows: list, baselines: list, budget: float, only: str | None) -> None:
-    """Issue 9's table: s2 vs dkernel vs cuDNN dense causal, with ratios and per-FLOP efficiency vs cuDNN."""
+    """Issue 9's table: s2 vs dkernel vs cuDNN dense causal (and FlexAttention with the identical mask, BLOCK_SIZE
+    128, on the block-64 rows), with ratios and per-FLOP efficiency vs cuDNN; then the dense-work rows."""
     from torch.nn.attention import SDPBackend
 
     modes = ("fwd", "fwd+bwd")
+    selected = lambda name: not only or any(part in name for part in only.split(";"))  # noqa: E731
     for name, fields, batch, seqlen, heads, kv_heads, head_dim in COMPARE_SHAPES:
-        if only and not any(part in name for part in only.split(";")):
+        if not selected(name):
             continue
         pattern = S2Pattern(vert_stride=16, head_sliding_offset=0, head_sliding_step=max(1, 16 // heads), **fields)
         shape = (pattern, batch, heads, kv_heads, seqlen, head_dim, modes, budget)
@@ -189,6 +196,17 @@ def compare(rows: list, baselines: list, budget: float, only: str | None) -> Non
         if "dkernel" in baselines:
             run_case(rows, name, "dkernel", lambda p=pattern, h=heads, g=kv_heads, t=seqlen: dkernel(p, h, g, t),
                      *shape)
+        if "cudnn" in baselines:
+            run_case(rows, name, "sdpa-cudnn", lambda: sdpa(SDPBackend.CUDNN_ATTENTION), *shape)
+        if "flex" in baselines and pattern.block_size == 64:
+            run_case(rows, name, "flex-128", lambda p=pattern, h=heads, g=kv_heads, t=seqlen: flex(p, h, g, t, 128),
+                     *shape)
+    for name, batch, seqlen in DENSE_WORK_SHAPES:
+        if not selected(name):
+            continue
+        pattern = S2Pattern(block_size=64, local_blocks=seqlen // 64, vert_stride=16)
+        shape = (pattern, batch, 32, 32, seqlen, 128, modes, budget)
+        run_case(rows, name, "s2-triton", lambda p=pattern: s2(p), *shape)
         if "cudnn" in baselines:
             run_case(rows, name, "sdpa-cudnn", lambda: sdpa(SDPBackend.CUDNN_ATTENTION), *shape)
 
@@ -201,8 +219,9 @@ def print_comparison(rows: list) -> None:
         if "ms" in r:
             table.setdefault(r["section"], {})[(r["impl"], r["mode"])] = (r["ms"], r["density"])
     print("| shape | s2 fwd / fwd+bwd ms | dkernel fwd / fwd+bwd ms | dkernel / s2 fwd, fwd+bwd "
-          "| cuDNN fwd / fwd+bwd ms | eff. vs cuDNN s2 fwd, fwd+bwd | eff. vs cuDNN dkernel fwd, fwd+bwd |")
-    print("|---|---|---|---|---|---|---|")
+          "| cuDNN fwd / fwd+bwd ms | eff. vs cuDNN s2 fwd, fwd+bwd | eff. vs cuDNN dkernel fwd, fwd+bwd "
+          "| Flex-128 fwd / fwd+bwd ms |")
+    print("|---|---|---|---|---|---|---|---|")
 
     def cell(section, impl):
         vals = [table[section].get((impl, m)) for m in ("fwd", "fwd+bwd")]
@@ -215,7 +234,8 @@ def print_comparison(rows: list) -> None:
         ratio = ", ".join(f"{d[0] / s[0]:.2f}" if d and s else "-" for d, s in zip(dk_vals, s2_vals))
         eff = [", ".join(f"{c[0] * c[1] / x[0]:.2f}" if c and x else "-" for c, x in zip(cu_vals, vals))
                for vals in (s2_vals, dk_vals)]
-        print(f"| {section} | {s2_cell} | {dk_cell} | {ratio} | {cu_cell} | {eff[0]} | {eff[1]} |")
+        print(f"| {section} | {s2_cell} | {dk_cell} | {ratio} | {cu_cell} | {eff[0]} | {eff[1]} "
+              f"| {cell(section, 'flex-128')[1]} |")
 
 
 def s2(pattern: S2Pattern):
