@@ -22,7 +22,7 @@ from dataclasses import asdict
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
+from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 from s2_models import S2LlamaConfig, S2LlamaForCausalLM, hybrid_sparsity
 from s2_models.cache_s2_llama import S2CacheLayer, kv_cache_bytes
@@ -125,6 +125,94 @@ def generate_speed(model, batch, length, steps=48, **generate_kwargs):
             "decode_step_ms": step * 1e3, "decode_tokens_per_s": batch / step, "steps_timed": len(intervals)}
 
 
+class MarkedStepTimes(StepTimes):
+    """``StepTimes`` that also marks each step's end in the profiler's timeline: after the criterion's sync, the GPU
+    work between two marks is exactly one decode step (graph replay, argmax, the token appended)."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        done = super().__call__(input_ids, scores, **kwargs)
+        with torch.profiler.record_function(STEP_MARK):
+            pass
+        return done
+
+
+STEP_MARK = "decode_step_end"
+# Kernel-name patterns (searched in order) -> category of the step profile. Eager RMSNorm is pow, mean, add, rsqrt,
+# mul and casts; rotary is mul, neg, cat, add: those share kernels with other elementwise work, so "norms" and
+# "rotary" count only the kernels only they launch and "elementwise" holds the rest (the per-name table is exact).
+KERNEL_CATEGORIES = (
+    ("decode attention", ("s2_decode_fwd", "s2_decode_combine")),
+    ("cache append", ("s2_cache_append",)),
+    ("matmuls", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "cublas", "wgmma")),
+    ("sampling/argmax", ("argmax", "argmin", "topk", "sort")),
+    ("norms", ("meanops", "rsqrt", "pow_tensor", "norm")),
+    ("rotary", ("catarray", "neg_kernel", "cat_", "sin_", "cos_")),
+    ("embedding", ("indexselect", "embedding")),
+    ("copies", ("memcpy", "memset", "copy_kernel", "direct_copy")),
+    ("elementwise", ("elementwise", "triton_poi", "triton_per", "triton_red", "reduce_kernel")),
+)
+
+
+def kernel_category(name: str) -> str:
+    lowered = name.lower()
+    return next((category for category, keys in KERNEL_CATEGORIES if any(k in lowered for k in keys)), "other")
+
+
+@torch.no_grad()
+def profile_step(model, batch, length, steps=10, **generate_kwargs):
+    """The GPU kernels of one decode step through ``generate`` (torch.profiler with CUDA activities; kernels replayed
+    from CUDA graphs are recorded too): per category and per kernel name, the count per step and the time per step,
+    against the step's wall time between two step marks; the difference is the GPU idle time (gaps). Steps from the
+    4th on (warm: graphs captured)."""
+    import tempfile
+
+    ids = torch.randint(1, SHAPES["vocab_size"], (batch, length), device="cuda")
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0, **generate_kwargs)
+    marks = MarkedStepTimes()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        model.generate(ids, max_new_tokens=steps, stopping_criteria=StoppingCriteriaList([marks]), **kwargs)
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace_file:
+        prof.export_chrome_trace(trace_file.name)
+        with open(trace_file.name) as f:
+            trace = json.load(f)["traceEvents"]
+    bounds = sorted(e["ts"] for e in trace if e.get("name") == STEP_MARK and e.get("ph") == "X")[3:]
+    kernels = [e for e in trace if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    windows = list(zip(bounds, bounds[1:]))
+    per_name, per_category, wall, busy = {}, {}, [], []
+    for begin, end in windows:
+        inside = sorted((e for e in kernels if begin <= e["ts"] < end), key=lambda e: e["ts"])
+        wall.append(end - begin)
+        busy.append(sum(e["dur"] for e in inside))
+        for e in inside:
+            for table, key in ((per_name, e["name"][:120]), (per_category, kernel_category(e["name"]))):
+                count, total = table.get(key, (0, 0.0))
+                table[key] = (count + 1, total + e["dur"])
+
+    def per_step(table):
+        rows = [{"name": k, "count_per_step": c / len(windows), "us_per_step": t / len(windows)}
+                for k, (c, t) in table.items()]
+        return sorted(rows, key=lambda r: -r["us_per_step"])
+
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return {"batch": batch, "prompt": length, "steps_profiled": len(windows),
+            "step_wall_us": median(wall), "kernel_busy_us": median(busy), "gaps_us": median(wall) - median(busy),
+            "kernels_per_step": sum(len([e for e in kernels if b <= e["ts"] < end]) for b, end in windows)
+            / len(windows),
+            "by_category": per_step(per_category), "by_kernel": per_step(per_name)[:40]}
+
+
+def print_profile(name, profile):
+    """The short table: categories, then the step's wall time, kernel time and gaps."""
+    print(f"==== step profile: {name} (batch {profile['batch']}, {profile['prompt']} context)")
+    print(f"{'category':<20}{'kernels/step':>14}{'us/step':>10}")
+    for row in profile["by_category"]:
+        print(f"{row['name']:<20}{row['count_per_step']:>14.1f}{row['us_per_step']:>10.1f}")
+    print(f"{'kernels, all':<20}{profile['kernels_per_step']:>14.1f}{profile['kernel_busy_us']:>10.1f}")
+    print(f"{'step (wall)':<20}{'':>14}{profile['step_wall_us']:>10.1f}")
+    print(f"{'gaps':<20}{'':>14}{profile['gaps_us']:>10.1f}", flush=True)
+
+
 def dense_llama() -> LlamaForCausalLM:
     """The dense baseline in transformers' own Llama form (same shapes), for its static-cache compiled path."""
     return LlamaForCausalLM(LlamaConfig(**SHAPES, attn_implementation="sdpa")).to("cuda", torch.bfloat16).eval()
@@ -135,6 +223,9 @@ NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBacke
 SPEED_VARIANTS = {
     "s2_dynamic_cache": (functools.partial(build, dense=False), {}, None),
     "s2_static_cache_cuda_graphs": (functools.partial(build, dense=False), {"cache_implementation": "static"}, None),
+    # transformers' compiled decode step (Inductor fuses norms, rotary, residual adds) instead of our graphs
+    "s2_static_cache_compiled": (functools.partial(build, dense=False),
+                                 {"cache_implementation": "static", "compile_config": CompileConfig()}, None),
     "dense_sdpa_dynamic_cache": (functools.partial(build, dense=True), {}, None),
     "dense_sdpa_no_cudnn_dynamic_cache": (functools.partial(build, dense=True), {}, NO_CUDNN),
     "dense_llama_static_cache_compiled": (dense_llama, {"cache_implementation": "static"}, None),
@@ -145,8 +236,9 @@ SPEED_VARIANTS = {
 }
 
 
-def speed_sections(results, variants, batches=(1, 8), length=32768):
-    """Every variant at every batch size, then the speedups of the S2 variants over the fastest dense one."""
+def speed_sections(results, variants, batches=(1, 8), length=32768, profile=False):
+    """Every variant at every batch size, then the speedups of the S2 variants over the fastest dense one. With
+    ``profile``, each timed variant's decode step is also profiled kernel by kernel (``profile_step``)."""
     for name in variants:
         builder, generate_kwargs, backends = SPEED_VARIANTS[name]
         model = builder()
@@ -154,6 +246,9 @@ def speed_sections(results, variants, batches=(1, 8), length=32768):
             with sdpa_kernel(backends) if backends else contextlib.nullcontext():
                 section(results, f"{name}_b{batch}_32k",
                         functools.partial(generate_speed, model, batch, length, **generate_kwargs))
+                if profile:
+                    section(results, f"{name}_b{batch}_32k_profile",
+                            functools.partial(profile_step, model, batch, length, **generate_kwargs))
         del model
         torch._dynamo.reset()  # drop compiled graphs and their CUDA-graph memory
         torch.cuda.empty_cache()
@@ -193,54 +288,64 @@ def graph_seconds(run, calls: int, replays: int = 20) -> float:
     return start.elapsed_time(end) / 1e3 / (replays * calls)
 
 
-def copy_bandwidth() -> float:
-    """Bytes per second of a 2 GiB device-to-device copy, counting bytes read and written: the fastest of a few
-    element types (narrow ones may not get the widest vector accesses), so the ceiling is not understated."""
-    rates = []
-    for dtype in (torch.uint8, torch.bfloat16, torch.float32):
-        src = torch.empty((1 << 31) // torch.empty((), dtype=dtype).element_size(), dtype=dtype, device="cuda")
-        dst = torch.empty_like(src)
-        rates.append(2 * (1 << 31) / graph_seconds(functools.partial(dst.copy_, src), calls=5))
-    torch.cuda.empty_cache()
-    return max(rates)
+def copy_bandwidth(gib: int = 4) -> float:
+    """The ceiling of issue 9: bytes read plus bytes written per second of ``dst.copy_(src)`` over ``gib`` GiB
+    (``triton.testing.do_bench``'s median, which clears the L2 cache between runs)."""
+    import triton
+
+    src = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    milliseconds = triton.testing.do_bench(functools.partial(dst.copy_, src), return_mode="median")
+    return 2 * (gib << 30) / (milliseconds / 1e3)
 
 
-DECODE_TILES = [DecodeTiles(n, warps, stages) for n in (64, 128) for warps in (4, 8) for stages in (1, 2, 3)]
-DECODE_SPLITS = (None, 1, 2, 4, 8)  # None: the launcher's heuristic
+DECODE_TILES = [DecodeTiles(n, warps, stages) for n in (64, 128, 256) for warps in (4, 8) for stages in (1, 2, 3)]
+DECODE_SPLITS = (None, 1, 2, 4, 8, 16)  # None: the launcher's heuristic
 
 
 def kernel_bandwidth(sparse, batch, length):
-    """The decode kernel over every sparse layer's compact cache in turn (so the L2 cache does not serve the
-    reads), for each launch shape: time, bandwidth over the bytes of the compact caches, error vs the PyTorch path."""
-    _, out = prefill(sparse, batch, length)
-    layers = [layer for layer in out.past_key_values.layers if isinstance(layer, S2CacheLayer)]
+    """The decode kernel over the static cache ``generate(cache_implementation="static")`` decodes from, per layer
+    kind (the sparse layers' compact caches; the dense layers, which hold every token), for every launch shape.
+    Each timing is a CUDA graph over all layers of the kind in turn (so the L2 cache does not serve the reads and
+    launch overhead stays out); bandwidth counts the K and V bytes of the filled slots, against the copy ceiling
+    measured in this run. Returns the best shape per kind and what the whole step's attention then costs."""
+    cache = S2StaticCache(sparse.config, max_cache_len=length)  # exactly full: every allocated slot is read
+    prefill(sparse, batch, length, cache=cache)
     q = torch.randn(batch, SHAPES["num_attention_heads"], 1, SHAPES["head_dim"], device="cuda", dtype=torch.bfloat16)
-    first = layers[0]
-    reference = s2_decode_attention(q.float(), first.keys.float(), first.values.float(), first.seq_lens,
-                                    layout=first.layout, num_ring_slots=first.num_ring, backend="torch")
-    read = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in layers)  # K and V
+    scale = SHAPES["head_dim"] ** -0.5
     copy_bw = copy_bandwidth()
-    configs = []
-    for tiles, splits in ((t, s) for t in DECODE_TILES for s in DECODE_SPLITS):
-        def run_all(tiles=tiles, splits=splits):
-            for layer in layers:
-                decode_attention_triton(q, layer.keys, layer.values, layer.seq_lens, layer.layout, layer.num_ring,
-                                        SHAPES["head_dim"] ** -0.5, splits, tiles)
+    results = {"batch": batch, "context": length, "copy_GBps": copy_bw / 1e9}
+    for kind, layers in (("sparse", [x for x in cache.layers if x.is_sparse]),
+                         ("dense", [x for x in cache.layers if not x.is_sparse])):
+        first = layers[0]
+        reference = s2_decode_attention(q.float(), first.keys.float(), first.values.float(), first.seq_lens,
+                                        layout=first.layout, num_ring_slots=first.num_ring, backend="torch")
+        read = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in layers)  # K and V
+        configs = []
+        for tiles, splits in ((t, s) for t in DECODE_TILES for s in DECODE_SPLITS):
+            def run_all(tiles=tiles, splits=splits, layers=layers):
+                for layer in layers:
+                    decode_attention_triton(q, layer.keys, layer.values, layer.seq_lens, layer.layout, layer.num_ring,
+                                            scale, splits, tiles)
 
-        try:
-            seconds = graph_seconds(run_all, calls=2)
-            check = decode_attention_triton(q, first.keys, first.values, first.seq_lens, first.layout, first.num_ring,
-                                            SHAPES["head_dim"] ** -0.5, splits, tiles)
-            configs.append({**asdict(tiles), "num_splits": splits, "us_per_layer": seconds / len(layers) * 1e6,
-                            "fraction_of_copy_bandwidth": read / seconds / copy_bw,
-                            "max_error_vs_torch": (check.float() - reference).abs().max().item()})
-        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for one shape; record and go on
-            configs.append({**asdict(tiles), "num_splits": splits, "error": f"{type(e).__name__}: {e}"[:300]})
-    best = min((c for c in configs if "us_per_layer" in c), key=lambda c: c["us_per_layer"])
-    default = configs[DECODE_TILES.index(DecodeTiles()) * len(DECODE_SPLITS)]
-    return {"batch": batch, "context": length, "sparse_layers": len(layers),
-            "bytes_read_per_layer": read // len(layers), "copy_GBps": copy_bw / 1e9, "default": default, "best": best,
-            "configs": configs}
+            try:
+                seconds = graph_seconds(run_all, calls=2)
+                check = decode_attention_triton(q, first.keys, first.values, first.seq_lens, first.layout,
+                                                first.num_ring, scale, splits, tiles)
+                configs.append({**asdict(tiles), "num_splits": splits, "us_per_layer": seconds / len(layers) * 1e6,
+                                "TBps": read / seconds / 1e12, "fraction_of_copy_bandwidth": read / seconds / copy_bw,
+                                "max_error_vs_torch": (check.float() - reference).abs().max().item()})
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for one shape; record and go on
+                configs.append({**asdict(tiles), "num_splits": splits, "error": f"{type(e).__name__}: {e}"[:300]})
+        timed_configs = [c for c in configs if "us_per_layer" in c]
+        default = next(c for c in timed_configs if c["num_splits"] is None and DecodeTiles(
+            c["block_n"], c["num_warps"], c["num_stages"]) == DecodeTiles())
+        results[kind] = {"layers": len(layers), "bytes_read_per_layer": read // len(layers), "default": default,
+                         "best": min(timed_configs, key=lambda c: c["us_per_layer"]), "configs": configs}
+    results["step_attention_us"] = {
+        which: sum(results[kind][which]["us_per_layer"] * results[kind]["layers"] for kind in ("sparse", "dense"))
+        for which in ("default", "best")}
+    return results
 
 
 def main():
@@ -248,6 +353,8 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--sections", default="memory32k,memory128k,speed,bandwidth")
     parser.add_argument("--variants", default=",".join(SPEED_VARIANTS), help="speed: which of SPEED_VARIANTS")
+    parser.add_argument("--batches", default="1,8", help="speed: batch sizes")
+    parser.add_argument("--profile", action="store_true", help="speed: also profile each variant's decode step")
     args = parser.parse_args()
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": SHAPES,
                "pattern": PATTERN}
@@ -263,9 +370,13 @@ def main():
     del sparse
     torch.cuda.empty_cache()
     if "speed" in wanted:
-        speed_sections(results, args.variants.split(","))
+        speed_sections(results, args.variants.split(","), tuple(int(b) for b in args.batches.split(",")),
+                       profile=args.profile)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
+    for name, run in results.items():  # the short tables last
+        if name.endswith("_profile") and "by_category" in run:
+            print_profile(name, run)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ LOG2E = math.log2(math.e)
 
 
 @triton.jit
-def _slot_blocks(slot, last, kv_residues, kv_rank, num_vertical, num_ring, RING_BLOCKS, VERT_STRIDE):
+def _slot_blocks(slot, last, kv_residues, kv_rank, num_vertical, num_ring, RING_BLOCKS: tl.constexpr,
+                 VERT_STRIDE: tl.constexpr):
     """Block held by each ``slot`` (``-1`` if empty) for a row whose newest block is ``last``."""
     ring_block = slot + ((last - slot) // RING_BLOCKS) * RING_BLOCKS  # used only where slot <= last (no negatives)
     ring_rank = tl.load(kv_rank + (tl.maximum(ring_block, 0) % VERT_STRIDE), mask=slot < num_ring, other=-1)
@@ -55,11 +56,13 @@ def s2_decode_fwd_kernel(
     vertical_upto,  # int32 [Hkv, vert_stride]: how many of the KV head's residues are <= r
     num_kv_heads, seqlen_q, num_ring, num_slots, num_splits, qk_scale,
     q_heads_per_kv, q_heads_per_pattern, num_pattern_heads, num_dense_heads, head_step, head_offset,
-    LOCAL_BLOCKS, RING_BLOCKS, VERT_STRIDE,
+    LOCAL_BLOCKS: tl.constexpr, RING_BLOCKS: tl.constexpr, VERT_STRIDE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Grid ``(num_splits, num_row_tiles, B * Hkv)``."""
+    """Grid ``(num_splits, num_row_tiles, B * Hkv)``. The pattern's sizes are compile-time constants: the slot map
+    and the mask divide by them for every key of every tile, and a constant (a power of two in practice) turns
+    those integer divisions into shifts (one compilation per pattern; a model has one or two)."""
     split = tl.program_id(0)
     row_tile = tl.program_id(1)
     batch = tl.program_id(2) // num_kv_heads
@@ -75,7 +78,9 @@ def s2_decode_fwd_kernel(
     q_block = tl.maximum(q_pos, 0) // BLOCK_SIZE
     pattern_head = q_head // q_heads_per_pattern
     dense_row = pattern_head >= num_pattern_heads - num_dense_heads
-    vertical_shift = pattern_head * head_step + head_offset
+    # Key block j is vertical for this row when (j + shift) % VERT_STRIDE == 0, i.e. j % VERT_STRIDE == residue:
+    # one remainder per key in the loop instead of one per (row, key) pair.
+    vertical_residue = (VERT_STRIDE - (pattern_head * head_step + head_offset) % VERT_STRIDE) % VERT_STRIDE
 
     d = tl.arange(0, BLOCK_D)
     q_ptrs = q + batch.to(tl.int64) * stride_qb + q_head.to(tl.int64)[:, None] * stride_qh
@@ -109,7 +114,7 @@ def s2_decode_fwd_kernel(
         k_tile = tl.load(k_ptrs, mask=row_mask(key_ok, HEAD_DIM, BLOCK_D), other=0.0)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         kept = (q_block[:, None] - block[None, :] < LOCAL_BLOCKS) | dense_row[:, None]
-        kept = kept | ((block[None, :] + vertical_shift[:, None]) % VERT_STRIDE == 0)
+        kept = kept | ((block % VERT_STRIDE)[None, :] == vertical_residue[:, None])
         visible = kept & key_ok[None, :] & row_real[:, None] & (k_pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -254,7 +259,7 @@ def s2_cache_append_kernel(
     stride_cb, stride_ch, stride_ct, stride_cd,
     stride_db, stride_dh, stride_dt, stride_dd,
     stride_rh,
-    num_kv_heads, seqlen_q, num_ring, RING_BLOCKS, VERT_STRIDE,
+    num_kv_heads, seqlen_q, num_ring, RING_BLOCKS: tl.constexpr, VERT_STRIDE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """Grid ``(cdiv(Tq, BLOCK_T), B * Hkv)``: copy new K/V rows to their slots (``decode.block_slots``' rule)."""

@@ -106,6 +106,26 @@ def test_slots_allocated_ahead_are_ignored(pattern, tq):
         torch.testing.assert_close(out.double().cpu(), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("pattern", [PATTERNS[2], DENSE], ids=repr)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_unfilled_slots_may_hold_nan(pattern, dtype):
+    """Memory a static cache allocated but never wrote may hold any bits: NaN in every slot position that holds no
+    real token (empty ring slots, the tail of the newest block, the slots allocated ahead) changes nothing."""
+    lens = [random.randint(1, 150), random.randint(1, 40)]
+    q, kc, vc, seq_lens, layout, num_ring, ref = case(pattern, dtype, 1, lens, extra_slots=5)
+    bs = layout.block_size
+    blocks = slot_blocks(layout, seq_lens, num_ring, kc.shape[2] // bs)  # [B, Hkv, S]
+    pos = blocks[..., None] * bs + torch.arange(bs)
+    holds_token = ((blocks[..., None] >= 0) & (pos < seq_lens[:, None, None, None])).flatten(2)
+    kc, vc = (c.masked_fill(~holds_token[..., None], float("nan")) for c in (kc, vc))
+    on_device = [t.to(DEVICE) for t in (q, kc, vc, seq_lens)]
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    for num_splits in (1, 3):
+        out = s2_decode_attention(*on_device, layout, num_ring_slots=num_ring, backend="triton",
+                                  num_splits=num_splits)
+        torch.testing.assert_close(out.double().cpu(), ref.double(), atol=tol, rtol=tol)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tq", [1, 64])
