@@ -218,9 +218,11 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
 
     def records(self) -> list[dict]:
+        """The records in order; identical lines count once (each run exports the whole log, so a run's export
+        merged with a later one's repeats it)."""
         if not self.path.is_file():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return [json.loads(line) for line in dict.fromkeys(self.path.read_text().splitlines()) if line.strip()]
 
 
 def make_callbacks(log: MetricsLog, arm: str, tokens_per_step: int, deadline: float):
@@ -471,7 +473,8 @@ def summarize(args, log: MetricsLog) -> dict:
         args.export_dir.mkdir(parents=True, exist_ok=True)
         path = args.export_dir / f"quality_study_{args.study}.json"
         path.write_text(json.dumps(summary, indent=1) + "\n")
-        (args.export_dir / f"quality_study_{args.study}_metrics.jsonl").write_text(log.path.read_text())
+        (args.export_dir / f"quality_study_{args.study}_metrics.jsonl").write_text(
+            "".join(json.dumps(record) + "\n" for record in records))
         plot_curves(summary, args.export_dir / f"quality_study_{args.study}_loss.png")
         plot_retrieval(records, args.export_dir, args.study)
     return summary

@@ -176,7 +176,8 @@ def test_a_second_pattern_is_its_own_arm_merged_with_the_committed_metrics(data_
     merged = tmp_path / "merged"
     merged.mkdir()
     new_metrics = (tmp_path / "new" / "export" / "quality_study_scratch_metrics.jsonl").read_text()
-    (merged / quality_study.METRICS).write_text(COMMITTED.read_text() + new_metrics)
+    # an export merged twice (each run exports the whole log) counts once
+    (merged / quality_study.METRICS).write_text(COMMITTED.read_text() + new_metrics + new_metrics)
     summary = quality_study.main(["--study", "scratch", "--arm", "summary", "--work_dir", str(merged),
                                   "--export_dir", str(merged / "export")])
     arms = summary["arms"]
@@ -193,6 +194,7 @@ def test_a_second_pattern_is_its_own_arm_merged_with_the_committed_metrics(data_
     assert arms["dense"]["pattern"] == {"dense_layers": list(range(12)), "sparse": None}
     assert "coverage" not in arms["dense"]
     # the new arm: its own pattern (4 query heads at stride 4: every offset) and density
+    assert [c[0] for c in new["curve"]] == [1, 2, 3]
     assert new["pattern"]["sparse"]["per_query_head"] is True
     assert new["coverage"]["uncovered_offsets"] == [] and new["coverage"]["covered_fraction"] == 1.0
     assert 0 < new["attention_density"]["64"] < 1 and "ppl_ratio_to_dense" in new
