@@ -5,6 +5,17 @@
   per-head shifted pattern, ``homo_head=False``).
 - ``--study scratch``: a ~113M-parameter Llama (SmolLM2's tokenizer) trained from scratch as ``dense``, ``hybrid`` or
   ``sparse`` (every layer S2: the paper's ablation), same seed, same initialisation order, same data order.
+- ``--study longctx``: a short long-context phase from a finished arm's final model (``--init_from
+  <work_dir>/<arm>/final``, with its own sparsity; ``--arm`` says which kind it is): ``rope_theta`` raised to
+  ``--rope_theta``, trained at ``--block_size`` (16k-32k; ``--gradient_checkpointing``) on the same corpus stream,
+  then evaluated like the others at the lengths given (held-out perplexity, passkey/needle grids up to the block
+  size). The summary gives each arm's median step time and tokens/s.
+
+``--arm_name`` (default: ``--arm``) names the arm in the metrics, summary and plots and its folder in ``--work_dir``,
+so that a second hybrid with another ``--pattern`` (e.g. ``per_query_head``) is an arm of its own, compared to the
+same dense arm. The summary records each arm's dense layers and sparse pattern, attention density, the vertical
+offsets its pattern heads leave to no head (``S2Pattern.uncovered_offsets``), and each arm's final perplexities and
+last held-out loss as ratios to the arm named ``dense``.
 
 Every arm goes through this package's training path: the model from ``s2_models.training.train.build_model``, the
 config from its ``build_config``, bf16 autocast over fp32 master weights (``--precision``), ``transformers.Trainer``
@@ -14,14 +25,15 @@ chunks; every chunk is full, so batches are plain ``[B, T]`` tensors (``train.py
 documents of varying length and is not needed here). Both arms draw chunks in the same seeded order.
 
 Runs in chunks (the GPU machine runs a command for at most 10 minutes): ``--max_minutes`` stops training in time to
-save a checkpoint (model, optimizer, scheduler, RNG and data position) under ``--work_dir/<arm>``; the same command
-again resumes from it. Once an arm has finished its ``--max_steps``, the next run (or the same one, if enough time
-is left) runs the final evaluation: held-out perplexity at ``--final_lengths`` (2048 and 8192) and passkey and needle
-grids (length x depth, ``--grid_samples`` samples a cell); each part is recorded as it completes, so it resumes too.
-Every log line (training loss every ``--logging_steps``, held-out perplexity at 2048 every ``--eval_steps``, final
-numbers) is appended to ``--work_dir/metrics.jsonl`` as it comes. ``--export_dir`` (e.g. ``$OUT``) receives, at the
-end of every run, the metrics, ``quality_study_<study>.json`` (a summary: configs, densities, curves' last points,
-final numbers, the commands that ran) and PNGs: loss curves of all arms on one plot and the retrieval heat maps.
+save a checkpoint (model, optimizer, scheduler, RNG and data position) under ``--work_dir/<arm_name>``; the same
+command again resumes from it. Once an arm has finished its ``--max_steps``, the next run (or the same one, if
+enough time is left) runs the final evaluation: held-out perplexity at ``--final_lengths`` (2048 and 8192) and
+passkey and needle grids (length x depth, ``--grid_samples`` samples a cell); each part is recorded as it completes,
+so it resumes too. Every log line (training loss every ``--logging_steps``, held-out perplexity at 2048 every
+``--eval_steps``, final numbers) is appended to ``--work_dir/metrics.jsonl`` as it comes. ``--export_dir`` (e.g.
+``$OUT``) receives, at the end of every run, the metrics, ``quality_study_<study>.json`` (a summary: configs,
+densities, curves' last points, final numbers, the commands that ran) and PNGs: loss curves of all arms on one plot
+and the retrieval heat maps.
 
 Example (the GPU machine, files carried to /tmp; see the README's quality section)::
 
@@ -45,8 +57,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-STUDIES = ("convert", "scratch")
-ARMS = {"convert": ("dense", "hybrid"), "scratch": ("dense", "hybrid", "sparse")}
+STUDIES = ("convert", "scratch", "longctx")
+# longctx: the kind of the --init_from checkpoint (checked against its sparsity); its pattern comes with it
+ARMS = {"convert": ("dense", "hybrid"), "scratch": ("dense", "hybrid", "sparse"),
+        "longctx": ("dense", "hybrid", "sparse")}
 DEFAULT_PATTERN = {"block_size": 64, "local_blocks": 4, "vert_stride": 8, "homo_head": False}
 TINY_PATTERN = {"block_size": 16, "local_blocks": 2, "vert_stride": 4, "homo_head": False}
 # ~113M parameters with SmolLM2's 49152-token vocabulary (37.7M of them in the tied embedding)
@@ -132,8 +146,6 @@ def train_files(data_dir: Path) -> list[Path]:
 
 def arm_sparsity(args, arm: str) -> tuple[str, str | None, str]:
     """``(sparsity, pattern JSON, dense_layers)`` for ``train.ModelArguments``."""
-    if arm not in ARMS[args.study]:
-        raise ValueError(f"--arm must be one of {ARMS[args.study]} for --study {args.study}, got {arm!r}")
     if arm == "dense":
         return "dense", None, ""
     return "hybrid", json.dumps(args.pattern), args.dense_layers if arm == "hybrid" else ""
@@ -142,6 +154,8 @@ def arm_sparsity(args, arm: str) -> tuple[str, str | None, str]:
 def build_arm_model(args, arm: str, vocab_size: int):
     from s2_models.training.train import ModelArguments, build_config, build_model
 
+    if args.study == "longctx":
+        return build_long_context_model(args, arm, vocab_size)
     sparsity, pattern, dense_layers = arm_sparsity(args, arm)
     if args.study == "convert":
         model_args = ModelArguments(model_name_or_path=args.base_model, sparsity=sparsity, pattern=pattern,
@@ -151,6 +165,33 @@ def build_arm_model(args, arm: str, vocab_size: int):
         model_args = ModelArguments(config_overrides=args.config_overrides, sparsity=sparsity, pattern=pattern,
                                     dense_layers=dense_layers, attn_implementation=args.attn_implementation)
     return build_model(model_args, build_config(model_args, vocab_size))
+
+
+def build_long_context_model(args, arm: str, vocab_size: int):
+    """Study 3: a finished arm's final model (``--init_from``, its own sparsity) with ``rope_theta`` raised to
+    ``--rope_theta`` and room for ``--block_size`` positions; the long-context phase continues training it."""
+    from s2_models import S2LlamaConfig
+    from s2_models.training.train import ModelArguments, build_config, build_model
+
+    model_args = ModelArguments(model_name_or_path=str(args.init_from), sparsity="keep",
+                                attn_implementation=args.attn_implementation)
+    config = build_config(model_args, vocab_size)
+    check_arm_kind(arm, config.sparsity)
+    fields = config.to_dict()
+    # a larger base stretches the rotary wavelengths over the longer context (as Llama 3 and others did to extend
+    # it); the model is then trained at the new length for a short while
+    fields["rope_parameters"] = {**fields["rope_parameters"], "rope_theta": args.rope_theta}
+    fields["max_position_embeddings"] = max(config.max_position_embeddings, args.block_size, *args.final_lengths,
+                                            *args.grid_lengths)
+    return build_model(model_args, S2LlamaConfig.from_dict(fields))
+
+
+def check_arm_kind(arm: str, sparsity: list) -> None:
+    """The ``--arm`` of a ``longctx`` run must name what its ``--init_from`` checkpoint is."""
+    dense = [spec == "dense" for spec in sparsity]
+    kind = "dense" if all(dense) else "sparse" if not any(dense) else "hybrid"
+    if kind != arm:
+        raise ValueError(f"--init_from holds a {kind} model (by its sparsity), not --arm {arm}")
 
 
 def densities(config, lengths) -> dict:
@@ -177,9 +218,11 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
 
     def records(self) -> list[dict]:
+        """The records in order; identical lines count once (each run exports the whole log, so a run's export
+        merged with a later one's repeats it)."""
         if not self.path.is_file():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return [json.loads(line) for line in dict.fromkeys(self.path.read_text().splitlines()) if line.strip()]
 
 
 def make_callbacks(log: MetricsLog, arm: str, tokens_per_step: int, deadline: float):
@@ -234,7 +277,8 @@ def use_bf16(precision: str) -> bool:
 
 
 def train_arm(args, arm: str, log: MetricsLog, deadline: float, tokenizer_vocab: int):
-    """Train (or resume) one arm until ``--max_steps`` or the deadline; returns ``(model, finished)``."""
+    """Train (or resume) the arm named ``arm`` (``--arm_name``; of kind ``--arm``) until ``--max_steps`` or the
+    deadline; returns ``(model, finished)``."""
     from transformers import Trainer, TrainingArguments, default_data_collator
     from transformers.trainer_utils import get_last_checkpoint
 
@@ -248,7 +292,7 @@ def train_arm(args, arm: str, log: MetricsLog, deadline: float, tokenizer_vocab:
     checkpoint = get_last_checkpoint(str(out))
     training_args = TrainingArguments(
         output_dir=str(out), max_steps=args.max_steps, per_device_train_batch_size=args.per_device_train_batch_size,
-        per_device_eval_batch_size=args.per_device_eval_batch_size,
+        per_device_eval_batch_size=eval_batch_size(args, args.block_size),
         gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate,
         lr_scheduler_type="cosine", warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0, optim="adamw_torch", logging_steps=args.logging_steps,
@@ -256,7 +300,7 @@ def train_arm(args, arm: str, log: MetricsLog, deadline: float, tokenizer_vocab:
         save_total_limit=1, seed=args.seed, data_seed=args.seed, report_to=[], disable_tqdm=not args.progress,
         dataloader_num_workers=args.dataloader_num_workers, bf16=use_bf16(args.precision),
     )
-    model = build_arm_model(args, arm, tokenizer_vocab)
+    model = build_arm_model(args, args.arm, tokenizer_vocab)
     if args.gradient_checkpointing:  # set on the model: TrainingArguments renamed the flag between 5.17 and 5.23
         model.gradient_checkpointing_enable()
     train = TokenChunks(train_files(args.data_dir), args.block_size)
@@ -264,15 +308,20 @@ def train_arm(args, arm: str, log: MetricsLog, deadline: float, tokenizer_vocab:
     tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.block_size
     if checkpoint is None:
         params = sum(p.numel() for p in model.parameters())
+        config = model.config
         log.append({"arm": arm, "kind": "config", "study": args.study, "parameters": params,
-                    "sparsity": model.config.sparsity, "densities": densities(model.config, args.final_lengths),
+                    "sparsity": config.sparsity, "heads": [config.num_attention_heads, config.num_key_value_heads],
+                    "densities": densities(config, args.final_lengths),
                     "train_tokens_available": len(train) * args.block_size,
                     "planned_tokens": args.max_steps * tokens_per_step, "tokens_per_step": tokens_per_step,
                     "learning_rate": args.learning_rate, "warmup_steps": args.warmup_steps,
-                    "block_size": args.block_size,
+                    "block_size": args.block_size, "rope_theta": config.rope_parameters["rope_theta"],
+                    "init_from": str(args.init_from) if args.init_from else None,
+                    "gradient_checkpointing": args.gradient_checkpointing,
                     "precision": "bf16 autocast, fp32 weights" if training_args.bf16 else "fp32",
                     "device": _device_name(), "torch": torch.__version__, "command": _command()})
     else:
+        check_same_sparsity(log, arm, model.config.sparsity)
         log.append({"arm": arm, "kind": "resumed", "step": trainer_state_step(checkpoint), "command": _command()})
     trainer = Trainer(model=model, args=training_args, train_dataset=train, eval_dataset=heldout,
                       data_collator=default_data_collator,
@@ -290,6 +339,21 @@ def train_arm(args, arm: str, log: MetricsLog, deadline: float, tokenizer_vocab:
     return trainer.model, finished
 
 
+def check_same_sparsity(log: MetricsLog, arm: str, sparsity: list) -> None:
+    """A checkpoint resumes only the model it was saved from: refuse a command whose pattern differs from the one
+    this arm name started with (a new pattern needs its own ``--arm_name``)."""
+    for record in log.records():
+        if record["arm"] == arm and record["kind"] == "config" and record["sparsity"] != sparsity:
+            raise ValueError(f"arm {arm!r} in {log.path} was started with another sparsity ({record['sparsity']}); "
+                             "give this pattern its own --arm_name")
+
+
+def eval_batch_size(args, length: int) -> int:
+    """``--per_device_eval_batch_size`` counts 2048-token sequences: longer ones come fewer at a time (the same
+    tokens per batch), so that evaluating 32k-token chunks fits where 2048-token ones do."""
+    return max(1, args.per_device_eval_batch_size * 2048 // length)
+
+
 def trainer_state_step(checkpoint: str) -> int:
     return json.loads((Path(checkpoint) / "trainer_state.json").read_text())["global_step"]
 
@@ -302,9 +366,8 @@ def heldout_perplexity(args, model, length: int):
     heldout = TokenChunks([args.data_dir / "heldout.bin"], length)
     ids = torch.from_numpy(heldout.tokens(0, min(args.final_eval_tokens // length, len(heldout)) * length)
                            .astype(np.int64))
-    batch_size = max(1, args.per_device_eval_batch_size * 2048 // length)
     with _autocast(model):
-        return sliding_window_perplexity(model, ids, length, batch_size=batch_size)
+        return sliding_window_perplexity(model, ids, length, batch_size=eval_batch_size(args, length))
 
 
 def _autocast(model):
@@ -376,12 +439,17 @@ def summarize(args, log: MetricsLog) -> dict:
                                                "retrieval": {}, "commands": []})
         kind = record["kind"]
         if kind == "config":
-            entry["config"] = {k: v for k, v in record.items() if k not in ("arm", "kind", "command")}
+            config = {k: v for k, v in record.items() if k not in ("arm", "kind", "command")}
+            if "config" in entry and entry["config"]["sparsity"] != config["sparsity"]:
+                raise ValueError(f"the metrics hold two arms named {record['arm']!r} with different sparsity: "
+                                 "run (or rename) one of them with its own --arm_name")
+            entry["config"] = config
             entry["commands"].append(record["command"])
         elif kind == "train" and "loss" in record:
             entry["curve"].append([record["step"], record["tokens"], record["loss"]])
             if "tokens_per_second" in record:
                 entry["tokens_per_second"] = record["tokens_per_second"]
+                entry.setdefault("throughput", []).append(record["tokens_per_second"])
         elif kind == "eval":
             entry["eval"].append([record["step"], record["tokens"], record["eval_ppl"]])
         elif kind in ("initial_ppl", "final_ppl"):
@@ -392,23 +460,72 @@ def summarize(args, log: MetricsLog) -> dict:
                                                                          "mean_accuracy", "accuracy")}
         elif kind == "finished":
             entry["finished_tokens"] = record["tokens"]
+    for entry in arms.values():
+        describe_arm(args, entry)
     devices = sorted({entry["config"]["device"] for entry in arms.values() if "config" in entry})
     summary = {"study": args.study, "arms": arms, "device": ", ".join(devices) or "unknown",
                "note": "measured with bench/quality_study.py; 'commands' are the runs that produced each arm"}
     if "dense" in arms:
-        dense = arms["dense"]
         for name, entry in arms.items():
-            if name != "dense" and entry["final_ppl"] and dense["final_ppl"]:
-                entry["ppl_ratio_to_dense"] = {n: entry["final_ppl"][n] / dense["final_ppl"][n]
-                                               for n in entry["final_ppl"] if n in dense["final_ppl"]}
+            if name != "dense":
+                compare_to_dense(entry, arms["dense"])
     if args.export_dir:
         args.export_dir.mkdir(parents=True, exist_ok=True)
         path = args.export_dir / f"quality_study_{args.study}.json"
         path.write_text(json.dumps(summary, indent=1) + "\n")
-        (args.export_dir / f"quality_study_{args.study}_metrics.jsonl").write_text(log.path.read_text())
+        (args.export_dir / f"quality_study_{args.study}_metrics.jsonl").write_text(
+            "".join(json.dumps(record) + "\n" for record in records))
         plot_curves(summary, args.export_dir / f"quality_study_{args.study}_loss.png")
         plot_retrieval(records, args.export_dir, args.study)
     return summary
+
+
+def describe_arm(args, entry: dict) -> None:
+    """Add what the arm is (dense layers, sparse pattern, attention density, vertical-offset coverage) and its median
+    training speed to its summary ``entry``, from its config and train records."""
+    throughput = entry.pop("throughput", [])
+    config = entry.get("config")
+    if config is None:
+        return
+    sparsity = config["sparsity"]
+    sparse = next((spec for spec in sparsity if spec != "dense"), None)
+    entry["pattern"] = {"dense_layers": [i for i, spec in enumerate(sparsity) if spec == "dense"], "sparse": sparse}
+    entry["attention_density"] = {n: d["model"] for n, d in config["densities"].items()}
+    if sparse is not None:
+        entry["coverage"] = coverage(sparse, config.get("heads") or heads_from_overrides(args.config_overrides))
+    if throughput:  # the median ignores intervals slowed by an evaluation or a save
+        median = float(np.median(throughput))
+        entry["median_tokens_per_second"] = round(median)
+        entry["median_step_seconds"] = round(config["tokens_per_step"] / median, 4)
+
+
+def coverage(spec: dict, heads) -> dict:
+    """The vertical offsets a sparse layer's pattern heads read (``S2Pattern.uncovered_offsets``)."""
+    from s2_models import S2Pattern
+
+    pattern = S2Pattern.from_dict(spec)
+    num_heads = pattern.num_pattern_heads(*heads)
+    uncovered = pattern.uncovered_offsets(num_heads)
+    return {"pattern_heads": num_heads, "vert_stride": pattern.vert_stride, "uncovered_offsets": list(uncovered),
+            "covered_fraction": 1 - len(uncovered) / pattern.vert_stride}
+
+
+def heads_from_overrides(config_overrides: str) -> list[int]:
+    """``[query heads, KV heads]`` of ``--config_overrides``: the config records written before they held the head
+    counts (study 2's committed dense and hybrid arms) used the default scratch config."""
+    from s2_models.training.train import parse_overrides
+
+    fields = parse_overrides(config_overrides)
+    return [fields["num_attention_heads"], fields["num_key_value_heads"]]
+
+
+def compare_to_dense(entry: dict, dense: dict) -> None:
+    """The arm's final perplexities and last held-out loss (the periodic evaluation) as ratios to dense's."""
+    if entry["final_ppl"] and dense["final_ppl"]:
+        entry["ppl_ratio_to_dense"] = {n: entry["final_ppl"][n] / dense["final_ppl"][n]
+                                       for n in entry["final_ppl"] if n in dense["final_ppl"]}
+    if entry["eval"] and dense["eval"] and entry["eval"][-1][0] == dense["eval"][-1][0]:  # at the same step
+        entry["heldout_loss_ratio_to_dense"] = math.log(entry["eval"][-1][2]) / math.log(dense["eval"][-1][2])
 
 
 def plot_curves(summary: dict, path: Path) -> Path | None:
@@ -463,8 +580,16 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--study", choices=STUDIES, required=True)
     parser.add_argument("--arm", required=True,
-                        help="convert: dense|hybrid; scratch: dense|hybrid|sparse; or 'summary' to only fold "
-                             "--work_dir/metrics.jsonl (e.g. arms' exported metrics, concatenated) into --export_dir")
+                        help="convert: dense|hybrid; scratch: dense|hybrid|sparse; longctx: what --init_from is "
+                             "(dense|hybrid|sparse); or 'summary' to only fold --work_dir/metrics.jsonl (e.g. arms' "
+                             "exported metrics, concatenated) into --export_dir")
+    parser.add_argument("--arm_name", default=None,
+                        help="the arm's name in the metrics, summary and plots and its folder in --work_dir "
+                             "(default: --arm); e.g. hybrid_pqh for a hybrid with another --pattern")
+    parser.add_argument("--init_from", type=Path, default=None,
+                        help="longctx: a finished arm's final model, e.g. /tmp/study2/dense/final")
+    parser.add_argument("--rope_theta", type=float, default=500000.0,
+                        help="longctx: the rotary base of the long-context phase (the scratch model's: 10000)")
     parser.add_argument("--data_dir", type=Path, help="train_*.bin, heldout.bin, manifest.json (not for 'summary')")
     parser.add_argument("--work_dir", type=Path, required=True, help="checkpoints, metrics.jsonl (kept between runs)")
     parser.add_argument("--export_dir", type=Path, default=None, help="summary JSON, metrics and PNGs (e.g. $OUT)")
@@ -507,8 +632,8 @@ def parse_args(argv=None):
     parser.add_argument("--tiny", action="store_true",
                         help="a tiny model and pattern for CPU tests (scratch config, block 16); implies fp32")
     args = parser.parse_args(argv)
-    if args.arm != "summary" and args.data_dir is None:
-        parser.error("--data_dir is required to train or evaluate an arm")
+    if args.arm != "summary":
+        check_arm_args(args, parser)
     args.pattern = args.pattern or (TINY_PATTERN if args.tiny else DEFAULT_PATTERN)
     if args.tiny and args.config_overrides == SCRATCH_CONFIG:
         args.config_overrides = TINY_CONFIG
@@ -521,6 +646,22 @@ def parse_args(argv=None):
     if args.max_minutes <= args.save_reserve_minutes:
         raise ValueError(f"--max_minutes must exceed --save_reserve_minutes={args.save_reserve_minutes}")
     return args
+
+
+def check_arm_args(args, parser) -> None:
+    if args.data_dir is None:
+        parser.error("--data_dir is required to train or evaluate an arm")
+    if args.arm not in ARMS[args.study]:
+        raise ValueError(f"--arm must be one of {ARMS[args.study]} for --study {args.study}, got {args.arm!r}")
+    args.arm_name = args.arm_name or args.arm
+    if not args.arm_name.replace("_", "").replace("-", "").isalnum() or args.arm_name == "summary":
+        raise ValueError(f"--arm_name must be letters, digits, '_' and '-' (a folder name), got {args.arm_name!r}")
+    if args.arm_name == "dense" and args.arm != "dense":  # every ratio is taken to the arm named dense
+        raise ValueError(f"--arm_name dense is the dense arm's; name the {args.arm} arm otherwise")
+    if (args.study == "longctx") != (args.init_from is not None):
+        raise ValueError("--init_from is what --study longctx starts from (a finished arm's final model), and only it")
+    if args.init_from is not None and not (args.init_from / "config.json").is_file():
+        raise FileNotFoundError(f"--init_from {args.init_from} holds no config.json (an arm's 'final' folder does)")
 
 
 def main(argv=None) -> dict:
@@ -538,12 +679,13 @@ def main(argv=None) -> dict:
         vocab = json.loads(manifest.read_text())["vocab_size"] if manifest.is_file() else None
         if vocab is None:
             vocab = len(load_study_tokenizer(args))
-        model, finished = train_arm(args, args.arm, log, deadline, vocab)
+        name = args.arm_name
+        model, finished = train_arm(args, name, log, deadline, vocab)
         if finished:  # each evaluation part starts only if it can end before the run's time is up
-            complete = final_eval(args, args.arm, model, log, start + 60 * (args.max_minutes - args.eval_part_minutes))
-            print(f"[{args.arm}] final evaluation {'complete' if complete else 'continues in the next run'}")
+            complete = final_eval(args, name, model, log, start + 60 * (args.max_minutes - args.eval_part_minutes))
+            print(f"[{name}] final evaluation {'complete' if complete else 'continues in the next run'}")
         else:
-            print(f"[{args.arm}] paused; run the same command again to resume")
+            print(f"[{name}] paused; run the same command again to resume")
     summary = summarize(args, log)
     print(f"done in {(time.monotonic() - start) / 60:.1f} min")
     return summary

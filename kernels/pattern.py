@@ -117,6 +117,23 @@ class S2Pattern:
             return 0
         return self.head_sliding_step or max(1, self.vert_stride // num_heads)
 
+    def uncovered_offsets(self, num_heads: int) -> tuple[int, ...]:
+        """The vertical offsets that no one of ``num_heads`` pattern heads reads; ``()`` when the heads cover all.
+
+        An offset is a residue ``r`` in ``[0, vert_stride)``: key blocks ``j`` with ``j % vert_stride == r`` beyond a
+        query's local window are kept only by the heads whose stripe sits on ``r``. S2 shards the context: each head
+        reads a ``1 / vert_stride`` share of the distant blocks and the heads together read them all. That takes at
+        least ``vert_stride`` pattern heads on distinct stripes, or a dense head (``num_dense_heads >= 1``): 4 pattern
+        heads with ``vert_stride=8`` leave half of the offsets, ``(0, 2, 4, 6)``, to no head, and ``homo_head=True``
+        covers a single offset.
+        """
+        self.check_num_heads(num_heads)
+        if self.num_dense_heads:
+            return ()
+        step = self.head_step(num_heads)
+        covered = {-(h * step + self.head_sliding_offset) % self.vert_stride for h in range(num_heads)}
+        return tuple(r for r in range(self.vert_stride) if r not in covered)
+
     def block_mask(
         self, num_heads: int, num_q_blocks: int, num_kv_blocks: int, causal: bool = True, device=None
     ) -> torch.Tensor:

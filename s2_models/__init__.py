@@ -17,6 +17,7 @@ from transformers import (
 from .configuration_s2_llama import S2LlamaConfig, hybrid_sparsity
 from .kernels import S2Pattern, s2_attention
 from .modeling_s2_llama import (
+    S2CoverageWarning,
     S2LlamaForCausalLM,
     S2LlamaForQuestionAnswering,
     S2LlamaForSequenceClassification,
@@ -33,6 +34,7 @@ AutoModelForTokenClassification.register(S2LlamaConfig, S2LlamaForTokenClassific
 AutoModelForQuestionAnswering.register(S2LlamaConfig, S2LlamaForQuestionAnswering)
 
 __all__ = [
+    "S2CoverageWarning",
     "S2LlamaConfig",
     "S2LlamaForCausalLM",
     "S2LlamaForQuestionAnswering",

@@ -14,6 +14,7 @@ saved checkpoint so that ``trust_remote_code`` loading works without this packag
 """
 
 import os
+import warnings
 
 import torch
 from torch import nn
@@ -214,6 +215,89 @@ def packed_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor | None:
 # ``DynamicCache(config=...)`` (generate's and the forward's default cache) builds an ``S2CacheLayer`` for every
 # ``"s2_attention"`` layer: compact under the "s2" implementation, full keys under the reference ones.
 assert S2CacheLayer._layer_type == S2_ATTENTION
+
+
+# ---------------------------------------------------------------------------------------------- coverage
+class S2CoverageWarning(UserWarning):
+    """A sparse layer whose pattern heads leave vertical offsets to no head (``S2Pattern.uncovered_offsets``)."""
+
+
+def uncovered_offsets_by_layer(config: S2LlamaConfig) -> dict[int, tuple[int, ...]]:
+    """``{layer: offsets}`` for the sparse layers whose pattern heads read no distant key block at those offsets."""
+    result = {}
+    for index, spec in enumerate(config.sparsity):
+        if spec == DENSE:
+            continue
+        pattern = S2Pattern.from_dict(spec)
+        uncovered = pattern.uncovered_offsets(
+            pattern.num_pattern_heads(config.num_attention_heads, config.num_key_value_heads)
+        )
+        if uncovered:
+            result[index] = uncovered
+    return result
+
+
+def coverage_warning(config: S2LlamaConfig) -> str | None:
+    """One message for every sparse layer that leaves vertical offsets uncovered (grouped by pattern), or None."""
+    groups: dict[str, list[int]] = {}
+    for index in uncovered_offsets_by_layer(config):
+        groups.setdefault(repr(config.sparsity[index]), []).append(index)
+    parts = []
+    for layers in groups.values():
+        pattern = S2Pattern.from_dict(config.sparsity[layers[0]])
+        hq, hkv = config.num_attention_heads, config.num_key_value_heads
+        num_heads = pattern.num_pattern_heads(hq, hkv)
+        uncovered = pattern.uncovered_offsets(num_heads)
+        stride = pattern.vert_stride
+        heads = "query heads" if pattern.per_query_head else "KV heads"
+        parts.append(
+            f"S2 layers {_ranges(layers)} (vert_stride {stride}, {num_heads} pattern heads: the {heads}) read no key "
+            f"block beyond their local window at {len(uncovered)} of the {stride} vertical offsets "
+            f"(blocks j with j % {stride} in {list(uncovered)}); to cover them: {' or '.join(_fixes(pattern, hq, hkv))}"
+        )
+    if not parts:
+        return None
+    return ("; ".join(parts) + ". S2's heads are meant to read the whole context together (see "
+            "S2Pattern.uncovered_offsets); such a pattern is legal but unlikely to match dense quality.")
+
+
+def _fixes(pattern: S2Pattern, num_q_heads: int, num_kv_heads: int) -> list[str]:
+    """The pattern changes that would cover more offsets, as config text."""
+    num_heads = pattern.num_pattern_heads(num_q_heads, num_kv_heads)
+    fixes = []
+    if pattern.homo_head:
+        fixes.append("homo_head=False")
+    if pattern.head_sliding_step is not None:  # a step sharing a factor with vert_stride folds stripes together
+        fixes.append("head_sliding_step=None (or one coprime with vert_stride)")
+    if num_heads < pattern.vert_stride:  # fewer stripes than offsets: more pattern heads or a smaller stride
+        if not pattern.per_query_head and num_q_heads > num_kv_heads:
+            fixes.append(f"per_query_head=True ({num_q_heads} pattern heads)")
+        fixes.append(f"vert_stride <= {num_heads}")
+        fixes.append("num_dense_heads >= 1")
+    return fixes
+
+
+def _ranges(indices: list[int]) -> str:
+    """``[2, 3, 4, 7]`` -> ``"2-4, 7"``."""
+    runs = []
+    for index in indices:
+        if runs and index == runs[-1][1] + 1:
+            runs[-1][1] = index
+        else:
+            runs.append([index, index])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def warn_uncovered_offsets(config: S2LlamaConfig) -> None:
+    """Warn (``S2CoverageWarning``) when building a model whose sparse layers leave offsets uncovered.
+
+    At model construction rather than in the config: configs are built, copied and reloaded many times (every
+    ``from_pretrained``, every ``Trainer`` resume), a model once. Python's default filter shows a given message once
+    per process, so a second model of the same config is not warned about again.
+    """
+    message = coverage_warning(config)
+    if message:
+        warnings.warn(message, S2CoverageWarning, stacklevel=2)
 
 
 # ---------------------------------------------------------------------------------------------- modules
@@ -424,6 +508,7 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
+        warn_uncovered_offsets(config)
 
         self.post_init()
 
@@ -756,6 +841,7 @@ class S2LlamaForQuestionAnswering(GenericForQuestionAnswering, S2LlamaPreTrained
 
 
 __all__ = [
+    "S2CoverageWarning",
     "S2LlamaForCausalLM",
     "S2LlamaForQuestionAnswering",
     "S2LlamaForSequenceClassification",

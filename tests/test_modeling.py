@@ -2,11 +2,13 @@
 
 import copy
 import os
+import warnings
 
 import pytest
 import torch
 
-from s2_models import S2LlamaConfig, S2LlamaForCausalLM, hybrid_sparsity
+from s2_models import S2CoverageWarning, S2LlamaConfig, S2LlamaForCausalLM, hybrid_sparsity
+from s2_models.modeling_s2_llama import uncovered_offsets_by_layer
 
 # Small blocks so that a few dozen tokens span several blocks: 16-token blocks, each query block reads its own block
 # (local_blocks=1) and every third key block.
@@ -47,6 +49,46 @@ def tokens(*shape):
 
 def assert_close(actual, expected, atol=2e-5):
     torch.testing.assert_close(actual, expected, atol=atol, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ coverage
+def test_a_model_whose_heads_leave_offsets_to_no_head_warns_once_with_the_fix():
+    # 2 KV heads with stride 8: step 4, stripes on offsets 7 and 3 only; the config itself is legal
+    config = tiny_config(hybrid_sparsity(4, {"block_size": 16, "local_blocks": 2, "vert_stride": 8}, dense_layers=(0,)))
+    assert uncovered_offsets_by_layer(config) == {i: (0, 1, 2, 4, 5, 6) for i in (1, 2, 3)}
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("default")  # Python's own filter: a message once per process
+        S2LlamaForCausalLM(config)
+        S2LlamaForCausalLM(S2LlamaConfig.from_dict(config.to_dict()))  # the same config again: not repeated
+    assert [w.category for w in record] == [S2CoverageWarning]
+    message = str(record[0].message)
+    assert "S2 layers 1-3 (vert_stride 8, 2 pattern heads: the KV heads)" in message
+    assert "6 of the 8 vertical offsets" in message and "[0, 1, 2, 4, 5, 6]" in message
+    assert "per_query_head=True (4 pattern heads)" in message and "vert_stride <= 2" in message
+
+
+def test_layers_with_different_uncovered_patterns_share_one_warning():
+    narrow = {"block_size": 16, "local_blocks": 2, "vert_stride": 4, "homo_head": True}
+    folded = {"block_size": 16, "local_blocks": 2, "vert_stride": 4, "per_query_head": True, "head_sliding_step": 2}
+    with pytest.warns(S2CoverageWarning) as record:
+        S2LlamaForCausalLM(tiny_config(["dense", narrow, folded, narrow]))
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "S2 layers 1, 3 (vert_stride 4, 2 pattern heads: the KV heads)" in message and "homo_head=False" in message
+    assert "S2 layers 2 (vert_stride 4, 4 pattern heads: the query heads)" in message
+    assert "head_sliding_step=None" in message
+
+
+@pytest.mark.parametrize("pattern", [
+    {"block_size": 16, "local_blocks": 2, "vert_stride": 4, "per_query_head": True},  # 4 query heads, step 1
+    {"block_size": 16, "local_blocks": 2, "vert_stride": 2},  # 2 KV heads, stride 2
+    {"block_size": 16, "local_blocks": 2, "vert_stride": 8, "num_dense_heads": 1},
+    "dense",
+])
+def test_models_whose_heads_cover_every_offset_do_not_warn(pattern):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", S2CoverageWarning)
+        S2LlamaForCausalLM(tiny_config(pattern))
 
 
 # ------------------------------------------------------------------------------------------------ sparsity

@@ -107,3 +107,41 @@ def test_bad_dicts_and_head_counts_are_refused():
         S2Pattern(num_dense_heads=5).block_mask(4, 2, 2)
     with pytest.raises(ValueError, match="num_heads"):
         S2Pattern().block_mask(0, 2, 2)
+
+
+def distant_offsets_read(pattern: S2Pattern, num_heads: int) -> set[int]:
+    """Offsets ``j % vert_stride`` of the key blocks beyond the local window that some head keeps, from the mask."""
+    n = pattern.local_blocks + 3 * pattern.vert_stride
+    mask = pattern.block_mask(num_heads, n, n).any(0)
+    return {j % pattern.vert_stride for i in range(n) for j in range(i - pattern.local_blocks + 1) if mask[i, j]}
+
+
+@pytest.mark.parametrize(
+    "pattern, num_heads, uncovered",
+    [
+        # the scratch study's hybrid: 4 KV heads, stride 8 -> step 2, stripes on 4 of the 8 offsets
+        (S2Pattern(block_size=64, local_blocks=4, vert_stride=8), 4, (0, 2, 4, 6)),
+        # per_query_head with its 12 query heads: step max(1, 8 // 12) = 1, every offset
+        (S2Pattern(block_size=64, local_blocks=4, vert_stride=8, per_query_head=True), 12, ()),
+        # SmolLM2's 3 KV heads: 5 of 8 offsets read by no head
+        (S2Pattern(block_size=64, local_blocks=4, vert_stride=8), 3, (0, 1, 2, 4, 6)),
+        # homo_head: every head on the same stripe, one offset
+        (S2Pattern(block_size=16, local_blocks=2, vert_stride=4, homo_head=True), 4, (0, 1, 2)),
+        # a step that folds the heads onto two stripes although there are enough heads
+        (S2Pattern(block_size=16, local_blocks=2, vert_stride=4, head_sliding_step=2), 4, (0, 2)),
+        # a dense head reads every block
+        (S2Pattern(block_size=16, local_blocks=2, vert_stride=8, num_dense_heads=1), 2, ()),
+        (S2Pattern(block_size=16, local_blocks=2, vert_stride=1), 1, ()),
+    ],
+)
+def test_uncovered_offsets(pattern, num_heads, uncovered):
+    assert pattern.uncovered_offsets(num_heads) == uncovered
+    read = distant_offsets_read(pattern, num_heads)  # the same answer from the block mask itself
+    assert read == set(range(pattern.vert_stride)) - set(uncovered)
+
+
+def test_uncovered_offsets_checks_the_head_count():
+    with pytest.raises(ValueError, match="num_dense_heads"):
+        S2Pattern(num_dense_heads=3).uncovered_offsets(2)
+    with pytest.raises(ValueError, match="num_heads"):
+        S2Pattern().uncovered_offsets(0)

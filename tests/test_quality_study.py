@@ -162,3 +162,97 @@ def test_convert_arm_from_a_dense_llama_checkpoint(data_dir, tmp_path):
     assert again["arms"]["hybrid"] == hybrid
     with pytest.raises(ValueError, match="--arm must be one of"):
         run(data_dir, tmp_path / "bad", "--study", "convert", "--arm", "sparse", "--base_model", str(base))
+
+
+COMMITTED = Path(__file__).resolve().parents[1] / "bench" / "results" / "quality_study_scratch_metrics.jsonl"
+
+
+def test_a_second_pattern_is_its_own_arm_merged_with_the_committed_metrics(data_dir, tmp_path, capsys):
+    pqh = json.dumps({**quality_study.TINY_PATTERN, "per_query_head": True})
+    run(data_dir, tmp_path / "new", "--study", "scratch", "--arm", "hybrid", "--arm_name", "hybrid_pqh",
+        "--pattern", pqh)
+    assert (tmp_path / "new" / "hybrid_pqh" / "final").is_dir()
+    # the committed dense and hybrid arms of study 2 plus the new arm's exported metrics, folded into one summary
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    new_metrics = (tmp_path / "new" / "export" / "quality_study_scratch_metrics.jsonl").read_text()
+    # an export merged twice (each run exports the whole log) counts once
+    (merged / quality_study.METRICS).write_text(COMMITTED.read_text() + new_metrics + new_metrics)
+    summary = quality_study.main(["--study", "scratch", "--arm", "summary", "--work_dir", str(merged),
+                                  "--export_dir", str(merged / "export")])
+    arms = summary["arms"]
+    assert list(arms) == ["dense", "hybrid", "hybrid_pqh"]
+    hybrid, new = arms["hybrid"], arms["hybrid_pqh"]
+    # the committed hybrid: 4 KV heads at stride 8 (head counts from the default scratch config) leave half
+    assert hybrid["coverage"] == {"pattern_heads": 4, "vert_stride": 8, "uncovered_offsets": [0, 2, 4, 6],
+                                  "covered_fraction": 0.5}
+    assert hybrid["pattern"]["dense_layers"] == [0, 1] and hybrid["pattern"]["sparse"]["vert_stride"] == 8
+    assert hybrid["attention_density"] == {"2048": 0.4192, "8192": 0.3095}
+    assert hybrid["ppl_ratio_to_dense"]["2048"] == pytest.approx(8.58 / 8.15, abs=2e-3)
+    assert hybrid["heldout_loss_ratio_to_dense"] == pytest.approx(2.217 / 2.120, abs=2e-3)  # README: +4.6%
+    assert 200_000 < hybrid["median_tokens_per_second"] < 260_000 and hybrid["median_step_seconds"] > 0.1
+    assert arms["dense"]["pattern"] == {"dense_layers": list(range(12)), "sparse": None}
+    assert "coverage" not in arms["dense"]
+    # the new arm: its own pattern (4 query heads at stride 4: every offset) and density
+    assert [c[0] for c in new["curve"]] == [1, 2, 3]
+    assert new["pattern"]["sparse"]["per_query_head"] is True
+    assert new["coverage"]["uncovered_offsets"] == [] and new["coverage"]["covered_fraction"] == 1.0
+    assert 0 < new["attention_density"]["64"] < 1 and "ppl_ratio_to_dense" in new
+    exported = json.loads((merged / "export" / "quality_study_scratch.json").read_text())
+    assert list(exported["arms"]) == ["dense", "hybrid", "hybrid_pqh"]
+
+    from s2_models import demo  # the committed-results printer reads the merged summary
+
+    demo.print_trained_results(merged / "export")
+    text = capsys.readouterr().out
+    assert "hybrid_pqh" in text and "x1.052@2048" in text
+
+    # the same name for another pattern would mix two arms: refused
+    clash = new_metrics.replace('"arm": "hybrid_pqh"', '"arm": "hybrid"')
+    (merged / quality_study.METRICS).write_text(COMMITTED.read_text() + clash)
+    with pytest.raises(ValueError, match="two arms named 'hybrid'"):
+        quality_study.main(["--study", "scratch", "--arm", "summary", "--work_dir", str(merged)])
+
+
+def test_arm_names_are_checked(data_dir, tmp_path):
+    with pytest.raises(ValueError, match="--arm_name dense is the dense arm's"):
+        run(data_dir, tmp_path, "--study", "scratch", "--arm", "sparse", "--arm_name", "dense")
+    with pytest.raises(ValueError, match="--arm_name must be"):
+        run(data_dir, tmp_path, "--study", "scratch", "--arm", "sparse", "--arm_name", "a/b")
+    # a paused arm resumes only with the pattern it started with
+    run(data_dir, tmp_path, "--study", "scratch", "--arm", "sparse", "--max_minutes", "0.002",
+        "--save_reserve_minutes", "0.001")
+    with pytest.raises(ValueError, match="its own --arm_name"):
+        run(data_dir, tmp_path, "--study", "scratch", "--arm", "sparse", "--pattern",
+            json.dumps({**quality_study.TINY_PATTERN, "vert_stride": 2}))
+
+
+def test_long_context_phase_from_a_finished_arm_resumes_exactly(data_dir, tmp_path):
+    from s2_models import S2LlamaConfig
+
+    run(data_dir, tmp_path / "study2", "--study", "scratch", "--arm", "dense")
+    final = tmp_path / "study2" / "dense" / "final"
+    long = ["--study", "longctx", "--arm", "dense", "--init_from", str(final), "--rope_theta", "50000",
+            "--block_size", "64", "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2",
+            "--gradient_checkpointing"]
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    summary = run(data_dir, straight, *long)
+    run(data_dir, interrupted, *long, "--max_minutes", "0.002", "--save_reserve_minutes", "0.001")
+    run(data_dir, interrupted, *long)
+    expected, resumed = losses(straight, "dense"), losses(interrupted, "dense")
+    assert sorted(expected) == sorted(resumed) == [1, 2, 3]
+    for step in expected:
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-4), step
+
+    dense = summary["arms"]["dense"]
+    assert dense["config"]["rope_theta"] == 50000 and dense["config"]["init_from"] == str(final)
+    assert dense["config"]["tokens_per_step"] == 2 * 64 and dense["curve"][0][1] == 128
+    assert set(dense["final_ppl"]) == {"32", "64"} and set(dense["initial_ppl"]) == {"32", "64"}
+    assert dense["median_step_seconds"] > 0 and dense["median_tokens_per_second"] > 0
+    trained = S2LlamaConfig.from_pretrained(straight / "dense" / "final")
+    assert trained.rope_parameters["rope_theta"] == 50000 and trained.max_position_embeddings >= 64
+    assert S2LlamaConfig.from_pretrained(final).rope_parameters["rope_theta"] == 10000  # the start is untouched
+    with pytest.raises(ValueError, match="holds a dense model"):
+        run(data_dir, tmp_path / "bad", *[a if a != "dense" else "hybrid" for a in long])
+    with pytest.raises(ValueError, match="--init_from"):
+        run(data_dir, tmp_path / "bad", "--study", "longctx", "--arm", "dense")
