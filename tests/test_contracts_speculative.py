@@ -169,3 +169,24 @@ def test_speculative_decoding_on_gpu_gives_the_greedy_tokens():
     plain = model.generate(ids, max_new_tokens=80, **GREEDY)
     assert torch.equal(model.generate(ids, max_new_tokens=80, prompt_lookup_num_tokens=10, **GREEDY), plain)
     assert torch.equal(model.generate(ids, max_new_tokens=80, assistant_model=assistant, **GREEDY), plain)
+
+
+# ------------------------------------------------------------------------------------------------ host-side cost
+# A verify forward must cost the host about what a decode step costs (bench/NOTES.md: it cost 10x on an H200): no
+# JIT compile per new chunk length, no cuDNN plan per new shape, no tile tuning or mask building per forward, no
+# storage moved back and forth around crops. Counted here, never timed (bench/bench_speculative.py times them).
+def test_dense_layers_over_the_cache_keep_cudnn_out(monkeypatch):
+    """cuDNN builds an execution plan per new shape (tens of ms), and over a cache every forward brings a new key
+    length: decode steps and verify chunks (masked SDPA) alike must run SDPA without it."""
+    calls = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query, key, *args, **kwargs):
+        calls.append((query.shape[-2], key.shape[-2], torch.backends.cuda.cudnn_sdp_enabled()))
+        return original(query, key, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    tiny_model(0).generate(repetitive_prompt(), max_new_tokens=30, prompt_lookup_num_tokens=10, **GREEDY)
+    over_cache = [(tq, cudnn) for tq, tk, cudnn in calls if tq != tk]
+    assert any(tq > 1 for tq, _ in over_cache) and any(tq == 1 for tq, _ in over_cache)
+    assert not any(cudnn for _, cudnn in over_cache)
