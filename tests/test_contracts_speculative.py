@@ -175,6 +175,49 @@ def test_speculative_decoding_on_gpu_gives_the_greedy_tokens():
 # A verify forward must cost the host about what a decode step costs (bench/NOTES.md: it cost 10x on an H200): no
 # JIT compile per new chunk length, no cuDNN plan per new shape, no tile tuning or mask building per forward, no
 # storage moved back and forth around crops. Counted here, never timed (bench/bench_speculative.py times them).
+def record_specialisations(monkeypatch) -> dict:
+    """Kernel name -> the specialisations its launches asked for, for the decode, combine and append kernels."""
+    from s2_models.kernels import decode_triton
+
+    seen = {}
+    for kernel in (decode_triton.s2_decode_fwd_kernel, decode_triton.s2_decode_combine_kernel,
+                   decode_triton.s2_cache_append_kernel):
+        def run(*args, grid, warmup, _kernel=kernel, _run=kernel.run, **kwargs):
+            seen.setdefault(_kernel.fn.__name__, set()).add(decode_triton.launch_specialisation(_kernel, args, kwargs))
+            return _run(*args, grid=grid, warmup=warmup, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", run)
+    return seen
+
+
+def test_verify_forwards_of_any_length_reuse_the_compiled_kernels(monkeypatch):
+    """Forwards of 1 to 17 tokens with crops in between, as speculative decoding makes them, over a growing cache
+    (Triton kernels, split-KV on): the decode kernel is specialised for two tile heights only, append and combine
+    for one, so a GPU compiles nothing after the first verify forward; no tile tuning and no block mask either."""
+    from s2_models.kernels import decode_triton, pattern, triton_impl
+
+    model = tiny_model(0)
+    model.config.s2_backend = "triton"
+    monkeypatch.setattr(decode_triton, "_choose_num_splits", lambda programs, num_tiles, device: 2)
+    ids = repetitive_prompt(100)
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        specialisations = record_specialisations(monkeypatch)
+        tuned, masks_built = [], pattern._block_mask.cache_info().misses
+        pick_config = triton_impl._pick_config
+        monkeypatch.setattr(triton_impl, "_pick_config", lambda *args: tuned.append(args) or pick_config(*args))
+        seen = ids.shape[1]
+        for tq, rejected in [(1, 0), (11, 4), (2, 1), (5, 0), (8, 7), (16, 3), (17, 9), (3, 2), (1, 0), (11, 0)]:
+            tokens = torch.randint(3, 100, (1, tq))
+            mask = torch.ones(1, seen + tq, dtype=torch.long)
+            model(tokens, attention_mask=mask, past_key_values=cache, use_cache=True)
+            cache.crop(-rejected)
+            seen += tq - rejected
+    assert len(specialisations["s2_decode_fwd_kernel"]) == 2  # the 16-row and the 64-row tile
+    assert len(specialisations["s2_cache_append_kernel"]) == len(specialisations["s2_decode_combine_kernel"]) == 1
+    assert not tuned and pattern._block_mask.cache_info().misses == masks_built
+
+
 def test_dense_layers_over_the_cache_keep_cudnn_out(monkeypatch):
     """cuDNN builds an execution plan per new shape (tens of ms), and over a cache every forward brings a new key
     length: decode steps and verify chunks (masked SDPA) alike must run SDPA without it."""
