@@ -218,6 +218,26 @@ def test_verify_forwards_of_any_length_reuse_the_compiled_kernels(monkeypatch):
     assert not tuned and pattern._block_mask.cache_info().misses == masks_built
 
 
+def test_a_crop_leaves_the_storage_where_the_next_forwards_write():
+    """A verify chunk grows the storage, a crop drops most of it again, decode steps refill it: the storage is not
+    shrunk by the crop only to be grown back (each move copies the whole cache), and the outputs stay exact."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 120, 16, dtype=torch.float64) for _ in range(3))
+    k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
+    layer = S2CacheLayer(rollback_tokens=16)
+    layer.update_and_attend(q[:, :, :50], k[:, :, :50], v[:, :, :50], PATTERN, backend="torch")
+    grown_from = layer.keys.shape[2]
+    layer.update_and_attend(q[:, :, 50:67], k[:, :, 50:67], v[:, :, 50:67], PATTERN, backend="torch")
+    storage, size = layer.keys.data_ptr(), layer.keys.shape[2]
+    assert size > grown_from  # block 4 is vertical for a KV head: one more slot
+    layer.crop(-14)  # back to 53 tokens: the new slot is not needed until the row reaches block 4 again
+    outs = [layer.update_and_attend(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], PATTERN,
+                                    backend="torch") for t in range(53, 67)]
+    assert (layer.keys.data_ptr(), layer.keys.shape[2]) == (storage, size)
+    expected, _ = naive_s2_attention(q[:, :, :67], k[:, :, :67], v[:, :, :67], PATTERN)
+    torch.testing.assert_close(torch.cat(outs, 2), expected[:, :, 53:], atol=1e-12, rtol=0)
+
+
 def test_dense_layers_over_the_cache_keep_cudnn_out(monkeypatch):
     """cuDNN builds an execution plan per new shape (tens of ms), and over a cache every forward brings a new key
     length: decode steps and verify chunks (masked SDPA) alike must run SDPA without it."""
