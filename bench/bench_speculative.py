@@ -13,7 +13,9 @@ model on a real editing task accepts according to how much of the output it copi
 
 Every variant runs through ``generate`` at batch 1 (prompt lookup's only batch size), bf16, on the default dynamic
 cache: plain greedy, and ``prompt_lookup_num_tokens`` (drafts are verified in one forward and the rejected ones
-cropped from the compact cache). Recorded: time to first token, decode tokens/s after it, target forwards, whether
+cropped from the compact cache). Recorded: time to first token, decode tokens/s after it, target forwards, the time
+of each forward after the prompt's (device synchronized around it: medians and means of the one-token forwards and
+of the verify forwards, and the decode time per target forward, crop and drafting included), whether
 the tokens equal plain greedy's (bf16: a chunked verify and a one-token step round differently, so a near-tie can
 flip; the first differing index is recorded), and the KV memory incl. the rollback room
 (``kv_cache_bytes(...)["s2_rollback"]``).
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 import traceback
 
@@ -66,13 +69,41 @@ def restarted_text(path: str, length: int) -> torch.Tensor:
     return torch.cat([tokens, tokens[:RESTART_TOKENS]])[None].cuda()
 
 
-class ForwardCounter:
-    def __init__(self, model):
-        self.count = 0
-        model.register_forward_pre_hook(self._hook)
+class ForwardTimer:
+    """Times every forward of the target model (device synchronized around it; generate's loop waits for each
+    forward's tokens anyway at batch 1) with the number of tokens it took, so that the cost of one plain decode step
+    and of one verify forward can be read apart from the acceptance."""
 
-    def _hook(self, module, args):
-        self.count += 1
+    def __init__(self, model):
+        self.forwards: list[tuple[int, float]] = []  # (input tokens, seconds)
+        model.register_forward_pre_hook(self._start, with_kwargs=True)
+        model.register_forward_hook(self._stop, with_kwargs=True)
+
+    def _start(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        torch.cuda.synchronize()
+        self._tokens, self._started = ids.shape[1], time.perf_counter()
+
+    def _stop(self, module, args, kwargs, output):
+        torch.cuda.synchronize()
+        self.forwards.append((self._tokens, time.perf_counter() - self._started))
+
+    def summary(self) -> dict:
+        """Forward times in ms after the prompt's forward (the first): medians of the one-token forwards (plain
+        steps, or rounds where prompt lookup found no draft) and of the verify forwards (drafts + 1 tokens), means
+        (a JIT compile or plan build shows in the mean, not the median), and how many of each."""
+        one, verify = ([1e3 * s for n, s in self.forwards[1:] if predicate(n)] for predicate in
+                       (lambda n: n == 1, lambda n: n > 1))
+        return {
+            "one_token_forwards": len(one),
+            "one_token_forward_ms_median": statistics.median(one) if one else None,
+            "one_token_forward_ms_mean": statistics.fmean(one) if one else None,
+            "verify_forwards": len(verify),
+            "verify_forward_ms_median": statistics.median(verify) if verify else None,
+            "verify_forward_ms_mean": statistics.fmean(verify) if verify else None,
+            "verify_forward_tokens_median": statistics.median(
+                n for n, _ in self.forwards[1:] if n > 1) if verify else None,
+        }
 
 
 def timed_generate(model, ids, **kwargs):
@@ -84,10 +115,10 @@ def timed_generate(model, ids, **kwargs):
 
 
 @torch.no_grad()
-def run(model, counter, ids, new_tokens, **kwargs):
+def run(model, timer, ids, new_tokens, **kwargs):
     timed_generate(model, ids[:, -512:], max_new_tokens=8, **kwargs)  # warm-up: Triton compiles, cuBLAS picks
     first_token_s, _ = timed_generate(model, ids, max_new_tokens=1, **kwargs)
-    counter.count = 0
+    timer.forwards.clear()
     seconds, out = timed_generate(model, ids, max_new_tokens=new_tokens, **kwargs)
     sizes = kv_cache_bytes(out.past_key_values)
     generated = out.sequences.shape[1] - ids.shape[1]
@@ -96,8 +127,10 @@ def run(model, counter, ids, new_tokens, **kwargs):
         "seconds": seconds,
         "time_to_first_token_s": first_token_s,
         "decode_tokens_per_s": (generated - 1) / max(seconds - first_token_s, 1e-9),
-        "target_forwards": counter.count,
-        "tokens_per_target_forward": generated / counter.count,
+        "target_forwards": len(timer.forwards),
+        "tokens_per_target_forward": generated / len(timer.forwards),
+        "decode_ms_per_target_forward": 1e3 * (seconds - first_token_s) / max(1, len(timer.forwards) - 1),
+        **timer.summary(),
         "kv_cache_bytes": sizes,
     }
 
@@ -127,16 +160,16 @@ def main():
         model = S2LlamaForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).to("cuda").eval()
         described = {"model": args.model, "sparsity": model.config.sparsity, "text": args.text,
                      "prompt": f"held-out text, its first {RESTART_TOKENS} tokens repeated at the end"}
-    counter = ForwardCounter(model)
+    timer = ForwardTimer(model)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, **described,
                "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens, "runs": {}}
     for context in contexts:
         ids = document(context) if args.text is None else restarted_text(args.text, context)
         entry = results["runs"][str(context)] = {}
         try:
-            plain_tokens, entry["plain_greedy"] = run(model, counter, ids, new_tokens)
+            plain_tokens, entry["plain_greedy"] = run(model, timer, ids, new_tokens)
             lookup_tokens, entry["prompt_lookup"] = run(
-                model, counter, ids, new_tokens, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens
+                model, timer, ids, new_tokens, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens
             )
             differ = (plain_tokens != lookup_tokens).nonzero()
             entry["tokens_equal_plain_greedy"] = not len(differ)

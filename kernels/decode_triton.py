@@ -10,6 +10,11 @@ Entry point ``decode_attention_triton(q, k_cache, v_cache, seq_lens, layout, num
   normalized partial output and log-sum-exp, and ``s2_decode_combine_kernel`` merges them. With one split the
   main kernel writes the output directly. The grid depends only on shapes, so a CUDA graph can replay it.
 * The slot -> block map is inlined (``_slot_blocks``, the same rule as ``decode.slot_blocks``): no block table.
+* A few compiled variants serve every chunk length and cache size: tile heights do not follow ``Tq`` (16 query rows,
+  or 64 once a chunk has more), and the arguments that change from call to call (``Tq``, slot and split counts,
+  strides that depend on ``Tq``) are not specialised on. Triton would otherwise compile a new variant whenever one
+  of them became 1 or a multiple of 16 or a tile height changed: a JIT compile (~1 s on a GPU) in the middle of
+  speculative decoding, whose verify chunks change length every forward.
 
 Numerics: online softmax in base 2, fp32 accumulation, IEEE fp32 dots for fp32 inputs.
 """
@@ -44,7 +49,37 @@ def _slot_blocks(slot, last, kv_residues, kv_rank, num_vertical, num_ring, RING_
     return tl.where(ring_ok | vertical_ok, block, -1)
 
 
-@triton.jit
+# Tile heights independent of the chunk length (see the module docstring): query rows of a decode program (a
+# one-token step's query group fits the small tile), and new tokens per program of the append and combine kernels.
+SMALL_ROW_TILE, LARGE_ROW_TILE = 16, 64
+TOKENS_PER_PROGRAM = 16
+# Arguments that change between calls of one layer, which Triton must not specialise on (see the module docstring):
+# the chunk length, the slot and split counts, and the strides of the [splits, B, Hq, Tq] log-sum-exp buffer.
+_LSE_STRIDES = ("stride_ls", "stride_lb", "stride_lh")
+
+
+def launch_specialisation(kernel, args: tuple, kwargs: dict) -> tuple:
+    """The variant Triton compiles for a launch ``kernel[grid](*args, **kwargs)``: the constexpr values and, per other
+    integer or pointer argument not in the kernel's ``do_not_specialize``, whether it is 1 / divisible by 16
+    (pointers: 16-byte aligned). Diagnostics: a new value is a JIT compile on a GPU (tests and
+    ``bench/profile_speculative.py`` count them)."""
+    options = getattr(kernel, "kwargs", None) or {}  # the interpreter keeps jit's options here
+    unspecialised = set(getattr(kernel, "do_not_specialize", None) or options.get("do_not_specialize") or ())
+    key = []
+    for name, value in {**dict(zip(kernel.arg_names, args)), **kwargs}.items():
+        if isinstance(value, torch.Tensor):
+            key.append((name, value.data_ptr() % 16 == 0))
+        elif isinstance(value, int) and not isinstance(value, bool) and name in kernel.arg_names:
+            if "constexpr" in str(kernel.fn.__annotations__.get(name)):
+                key.append((name, value))
+            elif name not in unspecialised:
+                key.append((name, value == 1, value % 16 == 0))
+        elif not isinstance(value, float):
+            key.append((name, value))
+    return tuple(key)
+
+
+@triton.jit(do_not_specialize=("seqlen_q", "num_ring", "num_slots", "num_splits", *_LSE_STRIDES))
 def s2_decode_fwd_kernel(
     q, k_cache, v_cache, seq_lens, residues, ranks, counts, out, lse,
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -138,7 +173,7 @@ def s2_decode_fwd_kernel(
     tl.store(l_ptrs, tl.where(seen, m_i + tl.math.log2(l_safe), -float("inf")), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("seqlen_q", "num_splits", *_LSE_STRIDES))
 def s2_decode_combine_kernel(
     partial, partial_lse, out,  # [splits, B, Hq, Tq, D] float32, [splits, B, Hq, Tq] float32 (log2), [B, Hq, Tq, D]
     stride_ps, stride_pb, stride_ph, stride_pt, stride_pd,
@@ -214,7 +249,7 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
     block_d = max(16, triton.next_power_of_2(d))
     block_n = max(bs, tiles.block_n)
     rows = tq * layout.q_heads_per_kv
-    block_m = max(16, min(64, triton.next_power_of_2(rows)))
+    block_m = SMALL_ROW_TILE if rows <= SMALL_ROW_TILE else LARGE_ROW_TILE
     num_row_tiles = triton.cdiv(rows, block_m)
     num_tiles = triton.cdiv(num_slots, block_n // bs)  # of the allocated slots; the kernel reads the used ones
     if num_splits is None:
@@ -243,15 +278,14 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if num_splits > 1:
-        block_t = max(1, min(16, triton.next_power_of_2(tq)))
-        s2_decode_combine_kernel[(triton.cdiv(tq, block_t), b * hq)](
+        s2_decode_combine_kernel[(triton.cdiv(tq, TOKENS_PER_PROGRAM), b * hq)](
             target, lse, out, *target.stride(), *lse.stride(), *out.stride(),
-            hq, tq, num_splits, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_T=block_t, num_warps=4,
+            hq, tq, num_splits, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_T=TOKENS_PER_PROGRAM, num_warps=4,
         )
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("seqlen_q", "num_ring"))
 def s2_cache_append_kernel(
     key, value, k_cache, v_cache, seq_lens, ranks, counts,
     stride_kb, stride_kh, stride_kt, stride_kd,
@@ -289,10 +323,10 @@ def cache_append_triton(k_cache, v_cache, key, value, seq_lens, layout: CompactL
     """Backend of ``decode.s2_cache_append``: one launch for every row, KV head and new token."""
     b, hkv, tq, d = key.shape
     tables = layout.tables(key.device)
-    block_t = max(1, min(64, triton.next_power_of_2(tq)))
-    s2_cache_append_kernel[(triton.cdiv(tq, block_t), b * hkv)](
+    block_d = max(16, triton.next_power_of_2(d))
+    s2_cache_append_kernel[(triton.cdiv(tq, TOKENS_PER_PROGRAM), b * hkv)](
         key, value, k_cache, v_cache, seq_lens, tables.rank, tables.counts,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(), tables.rank.stride(0),
         hkv, tq, num_ring, layout.ring_blocks, layout.pattern.vert_stride,
-        HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=layout.block_size, BLOCK_T=block_t,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, BLOCK_T=TOKENS_PER_PROGRAM,
     )

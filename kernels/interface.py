@@ -114,9 +114,10 @@ def s2_attention(
 
 
 # ---------------------------------------------------------------------------------------------- dense layers
-# Decoding changes the key length every call, and cuDNN builds a new execution plan for every new shape (~20 ms on
-# an H100, more than the whole step); FlashAttention and the memory-efficient kernel have no such cost.
-_DECODE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# Over a KV cache (Tq != Tk: decode steps, speculative verify chunks) the key length changes every call, and cuDNN
+# builds a new execution plan for every new shape (~20 ms on an H100, more than the whole step); FlashAttention and
+# the memory-efficient kernel have no such cost. Masked or not: a verify chunk's mask gives cuDNN a new shape too.
+_CACHED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def dense_attention(query, key, value, scale, dropout=0.0, key_padding_mask=None, cu_seqlens_q=None,
@@ -132,15 +133,19 @@ def dense_attention(query, key, value, scale, dropout=0.0, key_padding_mask=None
             raise ValueError(f"packed sequences run without attention dropout, got dropout={dropout}")
         return s2_attention(query, key, value, DENSE_PATTERN, scale=scale, cu_seqlens_q=cu_seqlens_q,
                             cu_seqlens_k=cu_seqlens_k)
+    over_cache = query.shape[2] != key.shape[2]
+    with sdpa_kernel(_CACHED_SDPA_BACKENDS) if over_cache else contextlib.nullcontext():
+        return _dense_sdpa(query, key, value, scale, dropout, key_padding_mask)
+
+
+def _dense_sdpa(query, key, value, scale, dropout, key_padding_mask):
     tq, tk = query.shape[2], key.shape[2]
     if key_padding_mask is None and (tq == tk or tq == 1):
         # Unmasked: FlashAttention-class kernels on CUDA (a single query sees every key).
-        decoding = tq != tk and query.is_cuda
-        with sdpa_kernel(_DECODE_SDPA_BACKENDS) if decoding else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(
-                query, key, value, dropout_p=dropout, scale=scale, is_causal=tq > 1,
-                enable_gqa=query.shape[1] != key.shape[1]
-            )
+        return F.scaled_dot_product_attention(
+            query, key, value, dropout_p=dropout, scale=scale, is_causal=tq > 1,
+            enable_gqa=query.shape[1] != key.shape[1]
+        )
     q_pos = torch.arange(tk - tq, tk, device=query.device)
     mask = (torch.arange(tk, device=query.device) <= q_pos[:, None])[None, None]  # [1, 1, Tq, Tk]
     real_q = None

@@ -341,14 +341,19 @@ class S2CacheLayer(DynamicLayer):
         return states[rows, heads, index].masked_fill(~ok[..., None], 0).view(batch, num_kv, num_slots * bs, dim)
 
     def _relayout(self, ring_blocks, num_seen, seq_lens):
-        """Move the storage to a ring of ``ring_blocks`` and the capacity ``num_seen`` needs (no-op if unchanged)."""
+        """Move the storage to a ring of ``ring_blocks`` and the capacity ``num_seen`` needs (no-op if unchanged).
+
+        Under the same ring the capacity never shrinks: after a crop (speculative decoding's rejected drafts) the
+        next forwards refill the freed slots, and the kernels read only the slots a row's length fills."""
         old, old_ring = self.layout, self.num_ring
+        old_slots = self.keys.shape[2] // old.block_size
         same_ring = ring_blocks == old.ring_blocks  # every decode step: keep the instance and its cached tables
         new = old if same_ring else CompactLayout(old.pattern, old.num_q_heads, old.num_kv_heads, ring_blocks)
-        num_ring = new.num_ring_slots(num_seen)
-        num_slots = num_ring + new.num_vertical_slots(num_seen)
-        old_slots = self.keys.shape[2] // old.block_size
-        if new == old and num_ring == old_ring and num_slots == old_slots:
+        num_ring, num_vertical = new.num_ring_slots(num_seen), new.num_vertical_slots(num_seen)
+        if same_ring:
+            num_ring, num_vertical = max(num_ring, old_ring), max(num_vertical, old_slots - old_ring)
+        num_slots = num_ring + num_vertical
+        if same_ring and num_ring == old_ring and num_slots == old_slots:
             return
         # The blocks the new slots should hold, found where the old layout holds them (as of ``self.seq_lens``).
         blocks = slot_blocks(new, seq_lens, num_ring, num_slots)  # [B, Hkv, S_new]

@@ -169,3 +169,87 @@ def test_speculative_decoding_on_gpu_gives_the_greedy_tokens():
     plain = model.generate(ids, max_new_tokens=80, **GREEDY)
     assert torch.equal(model.generate(ids, max_new_tokens=80, prompt_lookup_num_tokens=10, **GREEDY), plain)
     assert torch.equal(model.generate(ids, max_new_tokens=80, assistant_model=assistant, **GREEDY), plain)
+
+
+# ------------------------------------------------------------------------------------------------ host-side cost
+# A verify forward must cost the host about what a decode step costs (bench/NOTES.md: it cost 10x on an H200): no
+# JIT compile per new chunk length, no cuDNN plan per new shape, no tile tuning or mask building per forward, no
+# storage moved back and forth around crops. Counted here, never timed (bench/bench_speculative.py times them).
+def record_specialisations(monkeypatch) -> dict:
+    """Kernel name -> the specialisations its launches asked for, for the decode, combine and append kernels."""
+    from s2_models.kernels import decode_triton
+
+    seen = {}
+    for kernel in (decode_triton.s2_decode_fwd_kernel, decode_triton.s2_decode_combine_kernel,
+                   decode_triton.s2_cache_append_kernel):
+        def run(*args, grid, warmup, _kernel=kernel, _run=kernel.run, **kwargs):
+            seen.setdefault(_kernel.fn.__name__, set()).add(decode_triton.launch_specialisation(_kernel, args, kwargs))
+            return _run(*args, grid=grid, warmup=warmup, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", run)
+    return seen
+
+
+def test_verify_forwards_of_any_length_reuse_the_compiled_kernels(monkeypatch):
+    """Forwards of 1 to 17 tokens with crops in between, as speculative decoding makes them, over a growing cache
+    (Triton kernels, split-KV on): the decode kernel is specialised for two tile heights only, append and combine
+    for one, so a GPU compiles nothing after the first verify forward; no tile tuning and no block mask either."""
+    from s2_models.kernels import decode_triton, pattern, triton_impl
+
+    model = tiny_model(0)
+    model.config.s2_backend = "triton"
+    monkeypatch.setattr(decode_triton, "_choose_num_splits", lambda programs, num_tiles, device: 2)
+    ids = repetitive_prompt(100)
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        specialisations = record_specialisations(monkeypatch)
+        tuned, masks_built = [], pattern._block_mask.cache_info().misses
+        pick_config = triton_impl._pick_config
+        monkeypatch.setattr(triton_impl, "_pick_config", lambda *args: tuned.append(args) or pick_config(*args))
+        seen = ids.shape[1]
+        for tq, rejected in [(1, 0), (11, 4), (2, 1), (5, 0), (8, 7), (16, 3), (17, 9), (3, 2), (1, 0), (11, 0)]:
+            tokens = torch.randint(3, 100, (1, tq))
+            mask = torch.ones(1, seen + tq, dtype=torch.long)
+            model(tokens, attention_mask=mask, past_key_values=cache, use_cache=True)
+            cache.crop(-rejected)
+            seen += tq - rejected
+    assert len(specialisations["s2_decode_fwd_kernel"]) == 2  # the 16-row and the 64-row tile
+    assert len(specialisations["s2_cache_append_kernel"]) == len(specialisations["s2_decode_combine_kernel"]) == 1
+    assert not tuned and pattern._block_mask.cache_info().misses == masks_built
+
+
+def test_a_crop_leaves_the_storage_where_the_next_forwards_write():
+    """A verify chunk grows the storage, a crop drops most of it again, decode steps refill it: the storage is not
+    shrunk by the crop only to be grown back (each move copies the whole cache), and the outputs stay exact."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 120, 16, dtype=torch.float64) for _ in range(3))
+    k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
+    layer = S2CacheLayer(rollback_tokens=16)
+    layer.update_and_attend(q[:, :, :50], k[:, :, :50], v[:, :, :50], PATTERN, backend="torch")
+    grown_from = layer.keys.shape[2]
+    layer.update_and_attend(q[:, :, 50:67], k[:, :, 50:67], v[:, :, 50:67], PATTERN, backend="torch")
+    storage, size = layer.keys.data_ptr(), layer.keys.shape[2]
+    assert size > grown_from  # block 4 is vertical for a KV head: one more slot
+    layer.crop(-14)  # back to 53 tokens: the new slot is not needed until the row reaches block 4 again
+    outs = [layer.update_and_attend(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], PATTERN,
+                                    backend="torch") for t in range(53, 67)]
+    assert (layer.keys.data_ptr(), layer.keys.shape[2]) == (storage, size)
+    expected, _ = naive_s2_attention(q[:, :, :67], k[:, :, :67], v[:, :, :67], PATTERN)
+    torch.testing.assert_close(torch.cat(outs, 2), expected[:, :, 53:], atol=1e-12, rtol=0)
+
+
+def test_dense_layers_over_the_cache_keep_cudnn_out(monkeypatch):
+    """cuDNN builds an execution plan per new shape (tens of ms), and over a cache every forward brings a new key
+    length: decode steps and verify chunks (masked SDPA) alike must run SDPA without it."""
+    calls = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query, key, *args, **kwargs):
+        calls.append((query.shape[-2], key.shape[-2], torch.backends.cuda.cudnn_sdp_enabled()))
+        return original(query, key, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    tiny_model(0).generate(repetitive_prompt(), max_new_tokens=30, prompt_lookup_num_tokens=10, **GREEDY)
+    over_cache = [(tq, cudnn) for tq, tk, cudnn in calls if tq != tk]
+    assert any(tq > 1 for tq, _ in over_cache) and any(tq == 1 for tq, _ in over_cache)
+    assert not any(cudnn for _, cudnn in over_cache)
