@@ -164,7 +164,9 @@ def test_convert_arm_from_a_dense_llama_checkpoint(data_dir, tmp_path):
         run(data_dir, tmp_path / "bad", "--study", "convert", "--arm", "sparse", "--base_model", str(base))
 
 
-COMMITTED = Path(__file__).resolve().parents[1] / "bench" / "results" / "quality_study_scratch_metrics.jsonl"
+# study 2's first run (one pattern per KV head), committed under its own name
+COMMITTED = (Path(__file__).resolve().parents[1] / "bench" / "results"
+             / "quality_study_scratch_kv-head-patterns_metrics.jsonl")
 
 
 def test_a_second_pattern_is_its_own_arm_merged_with_the_committed_metrics(data_dir, tmp_path, capsys):
