@@ -67,9 +67,9 @@ def _gather_positions(list_base, entry, num_entries, BLOCK: tl.constexpr, UNIT: 
     asynchronous copy into a single-slot shared buffer (beside a second, synchronous load of the same entries for the
     K/V addresses), and the kernels gave wrong 16-bit results at ``num_stages >= 2`` (the likely cause: bench/NOTES.md).
     With scalar reads and
-    ``num_stages=2`` only K and V are copied asynchronously (double-buffered), as in a dense kernel. The masked loops
-    run unpipelined (``tl.range(..., num_stages=1)``): there the keep bits feed the scores, and the pipeliner would
-    again put them in a single-slot buffer. With one unit per tile the positions are one contiguous run.
+    ``num_stages=2`` only K and V are copied asynchronously (double-buffered), as in a dense kernel. The masked loops'
+    keep bits are scalar loads too (``_entry_bits``), and those loops pipeline at ``_MASKED_LOOP_STAGES`` (exact at 2
+    on an H100, ``bench/kernel_variants.py``). With one unit per tile the positions are one contiguous run.
     """
     offs = tl.arange(0, BLOCK)
     listed = entry + offs // UNIT < num_entries
