@@ -172,6 +172,45 @@ def test_strided_inputs():
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_tma_loads_equal_pointer_loads(monkeypatch, layout, block_size):
+    """Tiles that are one contiguous unit load through TMA descriptors in all three kernels, for [B, H, T, D] memory
+    and for the [B, T, H, D] projection output behind a transpose (K and V slices of one tensor, GQA): outputs and
+    gradients equal the per-row pointer loads', which the reference tests check."""
+    gen = torch.Generator().manual_seed(block_size)
+    batch, seqlen, q_heads, kv_heads, head_dim = 2, 2 * block_size + 37, 4, 2, 32
+    if layout == "bhtd":
+        q, k, v = (torch.randn(batch, h, seqlen, head_dim, generator=gen) for h in (q_heads, kv_heads, kv_heads))
+    else:
+        q = torch.randn(batch, seqlen, q_heads, head_dim, generator=gen).transpose(1, 2)
+        kv = torch.randn(batch, seqlen, 2 * kv_heads, head_dim, generator=gen).transpose(1, 2)
+        k, v = kv[:, :kv_heads], kv[:, kv_heads:]
+    grad_out = torch.randn(batch, q_heads, seqlen, head_dim, generator=gen).to(DEVICE)
+    q, k, v = (t.to(DEVICE) for t in (q, k, v))
+    pattern = S2Pattern(block_size=block_size, local_blocks=1, vert_stride=2)
+    used = []  # per launch: whether it got descriptors
+    row_descriptors = triton_impl._row_descriptors
+
+    def spy(*args):
+        descriptors = row_descriptors(*args)
+        used.append(descriptors[0] is not None)
+        return descriptors
+
+    monkeypatch.setattr(triton_impl, "_row_descriptors", spy)
+
+    def run(use_tma):
+        monkeypatch.setattr(triton_impl, "_USE_TMA", use_tma)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = s2_attention(*leaves, pattern, backend="triton")
+        return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
+
+    with_tma = run(True)
+    assert used == [True, True, True], "forward, dq and dk/dv should all use TMA here"
+    for name, a, b in zip(("out", "dq", "dk", "dv"), with_tma, run(False)):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6), name
+
+
 def test_excluded_blocks_are_never_read():
     """Perturbing K/V inside blocks a query block excludes leaves that block's output rows bit-for-bit unchanged,
     while rows that do read the perturbed block change."""
