@@ -258,7 +258,9 @@ def coverage_warning(config: S2LlamaConfig) -> str | None:
     if not parts:
         return None
     return ("; ".join(parts) + ". S2's heads are meant to read the whole context together (see "
-            "S2Pattern.uncovered_offsets); such a pattern is legal but unlikely to match dense quality.")
+            "S2Pattern.uncovered_offsets): in this package's from-scratch study, covering every offset cut the "
+            "hybrid's held-out loss gap to dense from +2.4% to +1.5%. per_query_head=True keeps, per KV head, the "
+            "stripes of its whole query group in the compact KV cache.")
 
 
 def _fixes(pattern: S2Pattern, num_q_heads: int, num_kv_heads: int) -> list[str]:
