@@ -425,7 +425,7 @@ class S2LlamaDecoderLayer(GradientCheckpointingLayer):
         cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values: Cache | None = None,
+        past_key_values: Cache | None = None,  # the cache as S2LlamaModel passes it before transformers 5.24
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         cache = resolve_cache(cache, past_key_values)
