@@ -379,11 +379,11 @@ def _row_head_index(batch: int, num_kv: int, device, ndim: int):
     return rows, heads
 
 
-def s2_cache_layer(past_key_values, layer_idx: int) -> S2CacheLayer | None:
-    """The compact S2 layer of ``past_key_values`` at ``layer_idx``, or ``None`` (no cache, or a dense layer)."""
-    if past_key_values is None:
+def s2_cache_layer(cache, layer_idx: int) -> S2CacheLayer | None:
+    """The compact S2 layer of ``cache`` at ``layer_idx``, or ``None`` (no cache, or a dense layer)."""
+    if cache is None:
         return None
-    layers = getattr(past_key_values, "layers", None)
+    layers = getattr(cache, "layers", None)
     if layers is None:  # e.g. an EncoderDecoderCache: S2Llama is decoder-only
         return None
     if layer_idx < len(layers) and isinstance(layers[layer_idx], S2CacheLayer):

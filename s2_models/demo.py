@@ -138,12 +138,13 @@ def print_trained_results(results_dir: Path) -> None:
 
 def kv_cache_memory(dense, s2, ids, length: int) -> None:
     from s2_models.cache_s2_llama import kv_cache_bytes
+    from s2_models.modeling_s2_llama import CACHE_NAME  # the output field's name in this transformers version
 
     prompt = ids[None, :length].to(next(s2.parameters()).device)
     sizes = {}
     for name, model in (("dense", dense), ("S2", s2)):
         with torch.no_grad():
-            cache = model(prompt, use_cache=True, logits_to_keep=1).past_key_values
+            cache = getattr(model(prompt, use_cache=True, logits_to_keep=1), CACHE_NAME)
         sizes[name] = kv_cache_bytes(cache)
     dense_total = sizes["dense"]["dense"] + sizes["dense"]["s2"]
     s2_total = sizes["S2"]["dense"] + sizes["S2"]["s2"]  # "s2_rollback" is the part of "s2" kept only for crop()

@@ -51,8 +51,26 @@ from .static_cache_s2_llama import S2StaticCache
 logger = logging.get_logger(__name__)
 
 S2_IMPLEMENTATION = "s2"
+# transformers 5.24 renamed the KV cache from ``past_key_values`` to ``cache`` in forward kwargs, in what ``generate``
+# passes and keeps in its ``model_kwargs``, and in the output fields (the old field name still works there, with a
+# deprecation warning). S2 models take either name (``resolve_cache``) and hand the cache on under this name, the one
+# the installed transformers uses, so that its generation loop and output classes find it in every version.
+CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 # Implementations that apply the sparse patterns; any implementation runs an all-dense model.
 SPARSE_CAPABLE_IMPLEMENTATIONS = (S2_IMPLEMENTATION, "sdpa", "eager")
+
+
+def resolve_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
+    """The KV cache passed as ``cache`` (transformers >= 5.24: ``generate``, the task heads) or as ``past_key_values``
+    (earlier versions, and callers written for them). Without this, a name the forward does not list would land in
+    ``**kwargs`` unread: the model would silently run without its cache."""
+    if past_key_values is None:
+        return cache
+    if cache is not None and cache is not past_key_values:
+        raise ValueError(
+            "got both cache and past_key_values (its name before transformers 5.24), holding different caches: pass one"
+        )
+    return past_key_values
 
 
 # ---------------------------------------------------------------------------------------------- "s2" attention
@@ -334,7 +352,7 @@ class S2LlamaAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         implementation = self.config._attn_implementation
@@ -357,7 +375,7 @@ class S2LlamaAttention(nn.Module):
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
         # ---- compact S2 cache (cache_s2_llama.py): keep only the blocks a future query reads, attend over them
-        cache_layer = s2_cache_layer(past_key_values, self.layer_idx)
+        cache_layer = s2_cache_layer(cache, self.layer_idx)
         if cache_layer is not None and implementation == S2_IMPLEMENTATION:
             attn_output = attend_as_autocast_op(
                 lambda query, key, value: cache_layer.update_and_attend(
@@ -369,8 +387,8 @@ class S2LlamaAttention(nn.Module):
             return self.o_proj(attn_output.transpose(1, 2).reshape(*input_shape, -1)), None
         # ---- end of the compact S2 cache branch
 
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             implementation, eager_attention_forward
@@ -406,18 +424,20 @@ class S2LlamaDecoderLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_values: Cache | None = None,  # the cache as S2LlamaModel passes it before transformers 5.24
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
+        cache = resolve_cache(cache, past_key_values)
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
             **kwargs,
@@ -435,7 +455,7 @@ class S2LlamaPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["S2LlamaDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]  # the forward kwargs that hold the cache
     _supports_flash_attn = True  # all-dense models only: sparse layers need "s2", "sdpa" or "eager"
     _supports_sdpa = True
     _supports_flex_attn = False
@@ -521,13 +541,16 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
         r"""Llama's forward. Packed sequences: pass ``position_ids`` restarting at 0 per sequence, or the flash-attn
-        kwargs ``cu_seq_lens_q/k`` and ``max_length_q/k`` (``DataCollatorWithFlattening``), with no attention mask."""
+        kwargs ``cu_seq_lens_q/k`` and ``max_length_q/k`` (``DataCollatorWithFlattening``), with no attention mask.
+        The cache is ``cache`` or ``past_key_values`` (its name before transformers 5.24)."""
+        cache = resolve_cache(cache, past_key_values)
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if input_ids is not None and (input_ids.is_floating_point() or input_ids.is_complex()):
@@ -546,12 +569,12 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
         # cache: its keys could not be continued as one sequence.
         cu_seqlens = None
         packed_kwargs = kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
-        if packed_kwargs and (past_key_values is not None or attention_mask is not None):
+        if packed_kwargs and (cache is not None or attention_mask is not None):
             raise ValueError(
-                "packed sequences (cu_seq_lens_q/cu_seq_lens_k) take neither past_key_values nor an attention_mask: "
+                "packed sequences (cu_seq_lens_q/cu_seq_lens_k) take neither a cache nor an attention_mask: "
                 "the sequence boundaries replace both"
             )
-        if attention_mask is None and past_key_values is None:
+        if attention_mask is None and cache is None:
             cu_seqlens = kwargs.get("cu_seq_lens_k")
             if cu_seqlens is None and position_ids is not None:
                 cu_seqlens = packed_cu_seqlens(position_ids.expand(inputs_embeds.shape[0], -1))
@@ -560,19 +583,19 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
 
         # While compiling no default cache is built: the compact cache's bookkeeping runs on the host (to compile
         # decoding, pass an S2StaticCache, as generate(cache_implementation="static") does).
-        if use_cache and past_key_values is None and cu_seqlens is None and not is_torchdynamo_compiling():
-            past_key_values = DynamicCache(config=self.config)
+        if use_cache and cache is None and cu_seqlens is None and not is_torchdynamo_compiling():
+            cache = DynamicCache(config=self.config)
         if not is_torchdynamo_compiling():  # host-side checks and cache set-up (none of it is device work)
-            self._check_padding_mask(attention_mask, inputs_embeds, past_key_values)
-            if past_key_values is not None:
-                set_default_rollback(past_key_values, self.config.s2_rollback_tokens)
+            self._check_padding_mask(attention_mask, inputs_embeds, cache)
+            if cache is not None:
+                set_default_rollback(cache, self.config.s2_rollback_tokens)
 
         if position_ids is None:
-            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
-        masks = self._attention_masks(inputs_embeds, attention_mask, past_key_values, position_ids, cu_seqlens)
+        masks = self._attention_masks(inputs_embeds, attention_mask, cache, position_ids, cu_seqlens)
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
@@ -583,23 +606,21 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
                 attention_mask=masks[decoder_layer.self_attn.mask_key],
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
                 use_cache=use_cache,
+                # under transformers' name: GradientCheckpointingLayer drops the cache by that name while checkpointing
+                **{CACHE_NAME: cache},
                 **kwargs,
             )
 
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            past_key_values=past_key_values,
-        )
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_NAME: cache})
 
     @staticmethod
-    def _check_padding_mask(attention_mask, inputs_embeds, past_key_values) -> None:
+    def _check_padding_mask(attention_mask, inputs_embeds, cache) -> None:
         """A ``[B, T]`` padding mask must cover the cached tokens and the new ones (Llama would fail deep inside)."""
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
             return
-        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        past_seen = cache.get_seq_length() if cache is not None else 0
         expected = (inputs_embeds.shape[0], past_seen + inputs_embeds.shape[1])
         if tuple(attention_mask.shape) != expected:
             raise ValueError(
@@ -607,7 +628,7 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
                 f"{past_seen} cached tokens), got {list(attention_mask.shape)}"
             )
 
-    def _attention_masks(self, inputs_embeds, attention_mask, past_key_values, position_ids, cu_seqlens) -> dict:
+    def _attention_masks(self, inputs_embeds, attention_mask, cache, position_ids, cu_seqlens) -> dict:
         """The mask of every layer, keyed by its ``mask_key`` (``"full_attention"`` for dense layers, one key per
         ``S2Pattern`` for sparse ones)."""
         if isinstance(attention_mask, dict):  # what generate() precomputes for transformers' compileable caches
@@ -634,13 +655,8 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
                 )
         if attention_mask is None and self.config._attn_implementation == S2_IMPLEMENTATION:
             return dict.fromkeys([FULL_ATTENTION, *patterns], None)  # what the "s2" mask function gives, unbuilt
-        full_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            position_ids=position_ids,
-        )
+        # the cache positionally: its keyword is `cache` from transformers 5.24 on, `past_key_values` before
+        full_mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
         masks = {FULL_ATTENTION: full_mask}
         if self.config._attn_implementation == S2_IMPLEMENTATION:
             masks.update(dict.fromkeys(patterns, full_mask))  # the padding mask; the kernels apply the pattern
@@ -649,7 +665,7 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
             return masks
 
         batch_size, q_length = inputs_embeds.shape[:2]
-        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        past_seen = cache.get_seq_length() if cache is not None else 0
         segment, position = sequence_layout(
             batch_size, past_seen + q_length, attention_mask, cu_seqlens, device=inputs_embeds.device
         )
@@ -682,14 +698,15 @@ class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
-        r"""Llama's causal-LM forward; see ``S2LlamaModel.forward`` for packed sequences.
+        r"""Llama's causal-LM forward; see ``S2LlamaModel.forward`` for packed sequences and the cache's two names.
 
         Example:
 
@@ -701,7 +718,7 @@ class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
         With an ``S2StaticCache`` (``generate(..., cache_implementation="static")``), decode steps on CUDA without
         gradients replay a captured CUDA graph of this forward, unless ``generate`` is given a ``compile_config``:
         then transformers' ``torch.compile``d forward runs them."""
-        cache = past_key_values
+        cache = resolve_cache(cache, past_key_values)
         if isinstance(cache, S2StaticCache) and not is_torchdynamo_compiling() and cache.graphs_apply(
             input_ids, inputs_embeds, labels, kwargs.get("output_attentions"), kwargs.get("output_hidden_states")
         ):
@@ -709,17 +726,17 @@ class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
                 position_ids = torch.full_like(input_ids, cache.get_seq_length())
 
             def decode_step(ids, positions):
-                hidden = self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
+                hidden = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
                 return self.lm_head(hidden.last_hidden_state)
 
             logits = cache.graphed_step(decode_step, input_ids, position_ids)
-            return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+            return CausalLMOutputWithPast(logits=logits, **{CACHE_NAME: cache})
 
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -736,9 +753,9 @@ class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
         )
 
 
@@ -749,7 +766,7 @@ class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
         result = super()._prepare_cache_for_generation(
             generation_config, model_kwargs, generation_mode, *args, **kwargs
         )
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(CACHE_NAME)
         if generation_mode == GenerationMode.ASSISTED_GENERATION:
             drafts = max(generation_config.prompt_lookup_num_tokens or 0, generation_config.num_assistant_tokens or 0)
             set_default_rollback(cache, max(self.config.s2_rollback_tokens, int(drafts)))
@@ -758,7 +775,7 @@ class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
         """transformers compiles the decode steps over any compileable cache on CUDA; over an ``S2StaticCache`` only
         when ``compile_config`` is given: by default the cache replays its own CUDA graphs."""
-        if isinstance(model_kwargs.get("past_key_values"), S2StaticCache) and generation_config.compile_config is None:
+        if isinstance(model_kwargs.get(CACHE_NAME), S2StaticCache) and generation_config.compile_config is None:
             return False
         return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 
@@ -768,7 +785,7 @@ class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
         compiled_call = super().get_compiled_call(compile_config)
 
         def call(*args, **kwargs):
-            cache = kwargs.get("past_key_values")
+            cache = kwargs.get(CACHE_NAME)
             if not isinstance(cache, S2StaticCache):
                 return compiled_call(*args, **kwargs)
             new_tokens = kwargs["input_ids"] if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
@@ -777,13 +794,17 @@ class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
 
         return call
 
-    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values, *args, **kwargs):
+    def create_masks_for_generate(
+        self, config, inputs_embeds, attention_mask, cache=None, *args, past_key_values=None, **kwargs
+    ):
         """What ``generate`` passes as the mask over a compileable cache. Over an ``S2StaticCache``: the ``[B, T]``
         padding mask for the prompt, nothing for decode steps (one real token per row; the cache holds each row's
-        length), so that compiled steps take inputs of one shape. Other caches get transformers' masks."""
-        if not isinstance(past_key_values, S2StaticCache):
-            return create_masks_for_generate(config, inputs_embeds, attention_mask, past_key_values, *args, **kwargs)
-        return None if past_key_values.get_seq_length() > 0 else attention_mask
+        length), so that compiled steps take inputs of one shape. Other caches get transformers' masks. The cache
+        comes as ``cache`` (transformers >= 5.24) or ``past_key_values``, by keyword or 4th positionally."""
+        cache = resolve_cache(cache, past_key_values)
+        if not isinstance(cache, S2StaticCache):
+            return create_masks_for_generate(config, inputs_embeds, attention_mask, cache, *args, **kwargs)
+        return None if cache.get_seq_length() > 0 else attention_mask
 
     def _prepare_static_cache(self, cache_implementation, batch_size, max_cache_len, prefill_chunk_size, model_kwargs):
         """``generate(..., cache_implementation="static")`` gets an ``S2StaticCache`` (transformers' ``StaticCache``
@@ -807,7 +828,8 @@ class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
 
 
 # ---------------------------------------------------------------------------------------------- task heads
-# Llama's heads: transformers' generic ones (pooling, losses, outputs: the same forward in transformers 5.17 and 5.23).
+# Llama's heads: transformers' generic ones (pooling, losses, outputs: the same forward in transformers 5.17 to 5.24;
+# from 5.24 on they pass the cache to the body as ``cache``, which S2LlamaModel takes as it takes ``past_key_values``).
 # Their __init__ is replaced only to build the body as S2LlamaModel(config): the generic one goes through
 # AutoModel.from_config, which in a remote-code checkpoint (loaded without this package) never finds the body as local
 # code (transformers loads the config and the modeling file with separate copies of the config class) and asks for

@@ -1,11 +1,11 @@
 """Static S2 KV cache: storage allocated once for ``max_cache_len`` tokens, and decode steps replayed as CUDA graphs.
 
 ``S2StaticCache(config, max_cache_len)`` is what ``generate(..., cache_implementation="static")`` builds for an
-S2Llama model; it can also be passed as ``past_key_values``. Why it exists: an eager decode step launches a few
-hundred small kernels from Python, and at long context that host time, not the GPU, bounds the step. Here every
-tensor address stays fixed and every kernel reads each row's length from the GPU (the cache append and the split-KV
-decode kernel size their work in-kernel), so on CUDA the whole step (embedding, every layer, the LM head) is
-captured once per input shape and then replayed.
+S2Llama model; it can also be passed as ``cache`` or ``past_key_values`` (its name before transformers 5.24).
+Why it exists: an eager decode step launches a few hundred small kernels from Python, and at long context that host
+time, not the GPU, bounds the step. Here every tensor address stays fixed and every kernel reads each row's length
+from the GPU (the cache append and the split-KV decode kernel size their work in-kernel), so on CUDA the whole step
+(embedding, every layer, the LM head) is captured once per input shape and then replayed.
 
 Storage: sparse layers keep the compact layout of ``S2CacheLayer`` (a ring of ``local_blocks`` blocks plus the KV
 head's vertical blocks), allocated for ``max_cache_len`` tokens: the same kept fraction as the dynamic cache.

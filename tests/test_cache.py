@@ -10,6 +10,7 @@ from s2_models import S2LlamaConfig, S2LlamaForCausalLM, hybrid_sparsity
 from s2_models.cache_s2_llama import S2CacheLayer, kv_cache_bytes
 from s2_models.kernels.naive import naive_s2_attention
 from s2_models.kernels.pattern import S2Pattern
+from s2_models.modeling_s2_llama import CACHE_NAME
 
 PATTERN = S2Pattern(block_size=16, local_blocks=2, vert_stride=3)
 
@@ -114,6 +115,46 @@ def test_generate_uses_the_compact_cache_and_equals_recomputation():
     recomputed = model.generate(ids, max_new_tokens=30, do_sample=False, use_cache=False, pad_token_id=0,
                                 eos_token_id=None)
     assert torch.equal(out.sequences, recomputed)
+
+
+def test_generate_hands_its_cache_to_every_forward():
+    """transformers 5.24 renamed the cache kwarg from past_key_values to cache; a forward that missed the new name got
+    it in **kwargs unread and ran every step without its cache (slow, and wrong: each step saw one token). The cache
+    generate returns must hold the prompt and all but the last generated token, its sparse layers compact."""
+    model = tiny_model()
+    ids = torch.randint(3, 100, (1, 150))
+    new_lengths, caches = [], []
+
+    def record(module, args, kwargs):
+        new_lengths.append(kwargs["input_ids"].shape[1])
+        caches.append(kwargs[CACHE_NAME])
+
+    hook = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        out = model.generate(ids, max_new_tokens=5, do_sample=False, return_dict_in_generate=True, pad_token_id=0,
+                             eos_token_id=None)
+    finally:
+        hook.remove()
+    cache = getattr(out, CACHE_NAME)
+    assert new_lengths == [150, 1, 1, 1, 1] and all(c is cache for c in caches)
+    assert cache.get_seq_length() == 150 + 5 - 1
+    assert all(isinstance(layer, S2CacheLayer) and layer.is_compact and layer.get_seq_length() == 154
+               for layer in cache.layers[1:])
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_forwards_take_the_cache_under_either_name(name):
+    """``cache`` (transformers >= 5.24) and ``past_key_values`` (earlier, and callers written for it) are one input."""
+    model = tiny_model()
+    ids = torch.randint(3, 100, (1, 40))
+    for forward in (model, model.model):
+        cache = DynamicCache(config=model.config)
+        out = forward(ids, use_cache=True, **{name: cache})
+        assert getattr(out, CACHE_NAME) is cache and cache.get_seq_length() == 40
+    same = DynamicCache(config=model.config)
+    model(ids, cache=same, past_key_values=same)
+    with pytest.raises(ValueError, match="both cache and past_key_values"):
+        model(ids, cache=DynamicCache(config=model.config), past_key_values=DynamicCache(config=model.config))
 
 
 def test_generate_beam_search_and_sampling_match_full_cache():

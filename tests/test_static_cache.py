@@ -34,6 +34,16 @@ def test_static_generation_equals_dynamic_generation_left_padded():
     assert torch.equal(static.sequences[2:, 90:], alone)
 
 
+def test_create_masks_for_generate_takes_the_cache_under_either_name():
+    """generate calls it with ``cache=`` from transformers 5.24 on, with ``past_key_values=`` before."""
+    model = tiny_model()
+    embeds, mask = torch.empty(2, 7, 0), torch.ones(2, 7, dtype=torch.long)
+    for name in ("cache", "past_key_values"):
+        cache = S2StaticCache(model.config, 64, cuda_graphs=False)
+        assert model.create_masks_for_generate(model.config, embeds, mask, **{name: cache}) is mask  # the prompt's
+    assert model.create_masks_for_generate(model.config, embeds, mask, S2StaticCache(model.config, 64)) is mask
+
+
 def test_beam_search_and_sampling_equal_the_dynamic_cache():
     model = tiny_model()
     ids = torch.randint(3, 100, (2, 70))
