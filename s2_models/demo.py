@@ -113,7 +113,7 @@ def main(argv=None) -> None:
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"  # in a source checkout
 STUDIES = {"convert": "SmolLM2-135M-Instruct, continual pretraining", "scratch": "~113M Llama from scratch",
-           "longctx": "long-context phase of a trained arm (committed: study 1's SmolLM2 arms, 16k)"}
+           "longctx": "long-context phase of a trained arm (committed: study 1's two arms, at 16k)"}
 
 
 def print_trained_results(results_dir: Path) -> None:
