@@ -189,7 +189,7 @@ def plot_heatmaps(grids: dict[str, dict], path: Path, title: str | None = None) 
                 ax.text(j, i, f"{value:.1f}", ha="center", va="center", fontsize=8)
     fig.colorbar(image, ax=axes[0].tolist(), label="accuracy")
     if title:
-        fig.suptitle(title, fontsize=10)
+        fig.suptitle(title, fontsize=10, y=1.05)  # above the panels' two-line titles
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)

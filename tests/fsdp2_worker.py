@@ -180,6 +180,9 @@ def main() -> None:
         failures = []
         for precision in args.precisions.split(","):
             failures += run(precision, device, rank, world)
+        # every rank done with its collectives before either tears the group down: a gloo rank destroyed while its
+        # peer still has work in flight aborts ("terminate called without an active exception", exit -6)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     if failures:
