@@ -13,9 +13,10 @@ and without ``warp_specialize``, the version without it checked against PyTorch:
 Offline (``triton.compile`` for ``GPUTarget("cuda", 90, 64)``, no GPU) both specialized kernels compile, with
 ``num_warps=4``: a 4-warp producer (``setmaxnreg.dec`` to 40) and two 4-warp consumers (``setmaxnreg.inc`` to 232).
 With ``num_warps=8`` the pass leaves the loop alone. On an H100 (2026-11-24) the unspecialized kernels are exact
-(attention 0.64 ms for 32 heads x 4096 x 4096 x 128, 430 TFLOP/s, max absolute error 5e-4 against SDPA; the
-probe that ran was these two kernels, the attention one also with its K/V rows read from a list) and both specialized
-kernels hang: no result after 45 s, where the unspecialized ones finish in milliseconds.
+(attention 0.64 ms for 32 heads x 4096 x 4096 x 128, 430 TFLOP/s, max absolute error 5e-4 against SDPA) and both
+specialized kernels hang: no result after 45 s, where the unspecialized ones finish in milliseconds. What ran was a
+probe with these two kernels (the attention one also with its K/V rows read from a list, which hung the same way);
+this file is its cleaned copy, not yet run as such (the session's device time ended).
 
     python bench/warp_specialization_repro.py gemm 0        # unspecialized: prints its error
     timeout 60 python bench/warp_specialization_repro.py gemm 1 || echo "did not finish"
