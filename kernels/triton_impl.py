@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import hopper_fwd
 from .layouts import BlockLayout, Varlen
 from .triton_setup import TensorDescriptor, tl, triton
 
@@ -620,7 +621,8 @@ class TileConfig:
     block_m: int  # query positions per tile (resident in fwd/dq, gathered in dk/dv)
     block_n: int  # key positions per tile (gathered in fwd/dq, resident in dk/dv)
     num_warps: int
-    num_stages: int
+    num_stages: int  # software-pipelining depth; for the warp-specialized forward: its ring of K/V buffers
+    warp_specialized: bool = False  # the Gluon forward for Hopper (hopper_fwd.py); block_m must be its BLOCK_M
 
 
 # Used where nothing can be timed (TRITON_INTERPRET=1 / CPU tensors). Tests may swap in other tiles.
@@ -652,9 +654,13 @@ def _configs(*tiles: tuple[int, int, int]) -> list[TileConfig]:
 
 # GPU candidates per kernel and head-dim class (small: D <= 64, medium: D <= 128, large: D <= 256).
 # The GPU tests (tests/test_kernels_triton.py -m gpu) check every candidate against the reference.
+# The warp-specialized forward (hopper_fwd.py): 64-key steps, a ring of 3 K/V buffers. Where hopper_fwd.supported;
+# last in each list, so that S2_ATTENTION_AUTOTUNE=0 keeps the Triton forward. 128-key steps were slower at every
+# shape measured (ptxas spills at D = 128; bench/NOTES.md).
+_WARP_SPECIALIZED_FWD = [TileConfig(hopper_fwd.BLOCK_M, 64, 4, 3, True)]
 _CANDIDATES = {
-    ("fwd", "small"): _configs((128, 64, 4), (128, 128, 8), (64, 64, 4)),
-    ("fwd", "medium"): _configs((128, 64, 8), (128, 64, 4), (128, 128, 8), (64, 64, 4)),
+    ("fwd", "small"): _configs((128, 64, 4), (128, 128, 8), (64, 64, 4)) + _WARP_SPECIALIZED_FWD,
+    ("fwd", "medium"): _configs((128, 64, 8), (128, 64, 4), (128, 128, 8), (64, 64, 4)) + _WARP_SPECIALIZED_FWD,
     ("fwd", "large"): _configs((64, 64, 4), (128, 64, 8), (64, 32, 4), (128, 32, 8)),
     ("dq", "small"): _configs((128, 64, 8), (64, 64, 4), (128, 128, 8)),
     ("dq", "medium"): _configs((128, 64, 8), (64, 64, 4), (128, 32, 8), (64, 32, 4)),
@@ -672,21 +678,23 @@ def _interpreting(device: torch.device) -> bool:
     return device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _pick_config(kind: str, key: tuple, head_dim: int, device: torch.device, launch) -> TileConfig:
+def _pick_config(kind: str, key: tuple, head_dim: int, device: torch.device, launch, usable=None) -> TileConfig:
     """The fastest candidate for ``key`` (timed once with ``do_bench``, then cached); fixed under the interpreter.
 
-    ``launch(config)`` must run the kernel with that config (outputs are overwritten by the final launch).
-    ``S2_ATTENTION_AUTOTUNE=0`` skips the timing and takes the first candidate (fast start-up, e.g. in tests).
+    ``launch(config)`` must run the kernel with that config (outputs are overwritten by the final launch);
+    ``usable(config)``, where given, drops the candidates this call cannot run (the key must tell such calls apart).
+    ``S2_ATTENTION_AUTOTUNE=0`` skips the timing and takes the first usable candidate (fast start-up, e.g. in tests).
     """
     if _interpreting(device):
         return INTERPRETER_CONFIGS[kind]
     size = "small" if head_dim <= 64 else "medium" if head_dim <= 128 else "large"
-    if os.environ.get("S2_ATTENTION_AUTOTUNE", "1") == "0":
-        return _CANDIDATES[(kind, size)][0]
+    candidates = [c for c in _CANDIDATES[(kind, size)] if usable is None or usable(c)]
+    if os.environ.get("S2_ATTENTION_AUTOTUNE", "1") == "0" and candidates:
+        return candidates[0]
     full_key = (kind, *key)
     if full_key not in _TUNED_CONFIGS:
         timings = {}
-        for config in _CANDIDATES[(kind, size)]:
+        for config in candidates:
             try:
                 timings[config] = triton.testing.do_bench(
                     lambda c=config: launch(c), warmup=5, rep=30, return_mode="median"
@@ -755,11 +763,11 @@ def _use_tma(layout: BlockLayout, gathered_tile: int, head_dim: int, device: tor
             and head_dim == triton.next_power_of_2(head_dim) and _has_tma(device))
 
 
-def _row_descriptor(t: torch.Tensor, block_rows: int):
-    """A TMA descriptor viewing ``t [B, H, T, D]`` as ``[rows, t.stride(2)]``, boxes of ``[block_rows, D]``, or None
-    where its layout does not allow it: every head's rows must lie inside rows of ``stride(2)`` elements, as in
-    ``[B, H, T, D]`` contiguous or the ``[B, T, H, D]`` projection output seen through a transpose. The kernels find
-    a head's first row and column from its offset (``_descriptor_origin``)."""
+def _row_view(t: torch.Tensor) -> tuple[list[int], list[int]] | None:
+    """``(shape, strides)`` of ``t [B, H, T, D]`` seen as ``[rows, t.stride(2)]``, or None where its layout does not
+    allow that: every head's rows must lie inside rows of ``stride(2)`` elements, as in ``[B, H, T, D]`` contiguous or
+    the ``[B, T, H, D]`` projection output seen through a transpose. TMA descriptors over this view give the kernels
+    a head's rows from its offset (``_descriptor_origin``), without copies."""
     batch, heads, _, head_dim = t.shape
     row_stride = t.stride(2)
     aligned = t.stride(3) == 1 and (row_stride * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
@@ -767,7 +775,13 @@ def _row_descriptor(t: torch.Tensor, block_rows: int):
     if not (aligned and heads_fit and (batch == 1 or t.stride(0) % row_stride == 0)):
         return None
     extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
-    return TensorDescriptor(t, [-(-extent // row_stride), row_stride], [row_stride, 1], [block_rows, head_dim])
+    return [-(-extent // row_stride), row_stride], [row_stride, 1]
+
+
+def _row_descriptor(t: torch.Tensor, block_rows: int):
+    """A TMA descriptor over ``_row_view(t)`` with boxes of ``[block_rows, D]``, or None."""
+    view = _row_view(t)
+    return None if view is None else TensorDescriptor(t, *view, [block_rows, t.shape[-1]])
 
 
 def _row_descriptors(use_tma: bool, block_rows: int, *tensors: torch.Tensor) -> tuple:
@@ -804,9 +818,18 @@ def s2_attention_fwd(
     if q.numel() == 0:
         return out, lse.fill_(-math.inf)
     problem = _problem(q, k, layout, varlen)
+    row_views = (_row_view(q), _row_view(k), _row_view(v))
+    warp_specialized_ok = hopper_fwd.supported(q, k, layout.causal, layout.block_size) and None not in row_views
+
+    def usable(config: TileConfig) -> bool:
+        return not config.warp_specialized or warp_specialized_ok
 
     def launch(config: TileConfig):
         units, bits, counts = _unit_lists(layout, config.block_m, config.block_n, resident_is_query=True)
+        if config.warp_specialized:
+            hopper_fwd.launch(q, k, v, out, lse, row_views, (units, bits, counts), problem, scale * LOG2E,
+                              layout.block_size, config.block_n, layout.num_pattern_heads, config.num_stages)
+            return
         grid = (problem.num_q_tiles(config.block_m), num_q_heads, problem.num_seqs)
         k_desc, v_desc = _row_descriptors(_use_tma(layout, config.block_n, head_dim, q.device), config.block_n, k, v)
         s2_attention_fwd_kernel[grid](
@@ -819,7 +842,7 @@ def s2_attention_fwd(
             num_stages=config.num_stages, **_common_constexprs(q, layout, problem),
         )
 
-    launch(_pick_config("fwd", problem.tune_key, head_dim, q.device, launch))
+    launch(_pick_config("fwd", (*problem.tune_key, warp_specialized_ok), head_dim, q.device, launch, usable))
     return out, lse
 
 

@@ -301,5 +301,65 @@ def test_gpu_every_candidate_config(monkeypatch, kind, size, config):
     monkeypatch.setitem(triton_impl._CANDIDATES, (kind, size), [config])
     monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})
     head_dim = {"small": 64, "medium": 128, "large": 256}[size]
+    if config.warp_specialized and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warp-specialized forward is for compute capability 9.0")
     pattern = S2Pattern(block_size=32, local_blocks=3, vert_stride=4)
     check_against_reference(400, (1, 4, 2, 1111, 1111, head_dim), torch.bfloat16, pattern)
+
+
+WARP_SPECIALIZED_CASES = [
+    # (batch, Hq, Hkv, Tq, Tk, D), pattern fields, memory layout
+    ((2, 4, 2, 1111, 1111, 128), dict(block_size=64, local_blocks=3, vert_stride=4), "bhtd"),
+    ((1, 8, 2, 3001, 3001, 64), dict(block_size=128, local_blocks=2, vert_stride=3), "bhtd"),
+    ((1, 4, 4, 700, 2100, 128), dict(block_size=64, local_blocks=2, vert_stride=5), "bhtd"),  # Tq < Tk (prefill)
+    ((2, 8, 2, 1500, 1500, 128), dict(block_size=64, local_blocks=4, vert_stride=8, per_query_head=True), "bthd"),
+    ((1, 4, 1, 257, 257, 64), dict(block_size=128, local_blocks=1, vert_stride=2, num_dense_heads=1), "bthd"),
+    ((1, 4, 2, 2001, 2001, 128), dict(block_size=32, local_blocks=5, vert_stride=7), "bhtd"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", range(len(WARP_SPECIALIZED_CASES)))
+def test_gpu_warp_specialized_forward(monkeypatch, case, dtype):
+    """The Gluon forward (hopper_fwd.py) against the float64 reference: odd lengths, GQA, Tq < Tk, one pattern per
+    query head, dense heads, the [B, T, H, D] projection output behind a transpose, key tiles of one list entry
+    (blocks >= 64) or gathered from two (block 32); it must really run."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warp-specialized forward is for compute capability 9.0")
+    (batch, q_heads, kv_heads, q_len, k_len, head_dim), fields, memory = WARP_SPECIALIZED_CASES[case]
+    size = "small" if head_dim <= 64 else "medium"
+    monkeypatch.setitem(triton_impl._CANDIDATES, ("fwd", size), triton_impl._WARP_SPECIALIZED_FWD)
+    monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})
+    launches = []
+    launch = triton_impl.hopper_fwd.launch
+    monkeypatch.setattr(triton_impl.hopper_fwd, "launch", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
+    pattern = S2Pattern(**fields)
+    q, k, v, _, _ = _make_inputs(500 + case, batch, q_heads, kv_heads, q_len, k_len, head_dim, torch.float32, "cpu")
+    if memory == "bthd":  # the model's projections: [B, T, H, D] seen as [B, H, T, D]
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    q, k, v = (t.to(DEVICE, dtype) for t in (q, k, v))
+    out, lse = s2_attention(q, k, v, pattern, backend="triton", return_lse=True)
+    assert launches, "the warp-specialized forward did not run"
+    exact_out, exact_lse = naive_s2_attention(q, k, v, pattern, dtype=torch.float64)
+    low_out, low_lse = naive_s2_attention(q, k, v, pattern, dtype=dtype)
+    _assert_close("out", out, exact_out, low_out, 2, ABS_FLOOR[dtype])
+    _assert_close("lse", lse, exact_lse, low_lse, 2, ABS_FLOOR[dtype])
+
+
+@pytest.mark.gpu
+def test_gpu_warp_specialized_forward_varlen(monkeypatch):
+    """Packed sequences (an empty one, one shorter than a tile) through the Gluon forward."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warp-specialized forward is for compute capability 9.0")
+    monkeypatch.setitem(triton_impl._CANDIDATES, ("fwd", "medium"), [triton_impl._WARP_SPECIALIZED_FWD[0]])
+    monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})
+    lens = [1000, 0, 1, 2047, 700]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    pattern = S2Pattern(block_size=64, local_blocks=4, vert_stride=8)
+    q, k, v, _, _ = _make_inputs(510, 1, 8, 2, sum(lens), sum(lens), 128, torch.bfloat16)
+    out, lse = s2_attention(q, k, v, pattern, backend="triton", return_lse=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    exact_out, exact_lse = naive_s2_attention(q, k, v, pattern, dtype=torch.float64, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    low_out, low_lse = naive_s2_attention(q, k, v, pattern, dtype=torch.bfloat16, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    _assert_close("out", out, exact_out, low_out, 2, ABS_FLOOR[torch.bfloat16])
+    _assert_close("lse", lse, exact_lse, low_lse, 2, ABS_FLOOR[torch.bfloat16])

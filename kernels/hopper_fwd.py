@@ -1,0 +1,351 @@
+"""Warp-specialized S2-Attention forward for Hopper (sm_90), written in Gluon.
+
+Why a second forward: on an H100 the Triton forward (``triton_impl``) runs FlashAttention-2's structure, in which
+each warp group issues its loads, waits for its matrix products and computes its softmax in turn; on identical dense
+work it reaches ~0.7 of cuDNN (bench/NOTES.md). cuDNN and FlashAttention-3 specialize warps: a producer issues the
+tensor-memory-accelerator (TMA) copies, and two consumer warp groups each own half of the query tile, so that one's
+softmax runs while the other's matrix products occupy the tensor cores. Triton 3.6's automatic warp specialization
+compiles such kernels but they hang on an H100 (``bench/warp_specialization_repro.py``), so the partitions, their
+barriers and the asynchronous ``wgmma`` are written out here in Gluon, Triton's explicit-layout dialect.
+
+A work item = one query tile of ``BLOCK_M = 2 * CONSUMER_ROWS`` absolute positions of one head (Merge-Q, as the
+Triton forward), over the same lists (``triton_impl.build_unit_lists``): entries ``[0, num_full)`` unmasked, then the
+partial ones, masked with their keep bits, causality and the key length. The kernel is persistent (one program per
+SM runs work items in turn, so one item's epilogue overlaps the next one's loads). Partitions:
+
+* loader (1 warp): per item Q, then per step the K and V of ``BLOCK_N // UNIT`` list entries (``UNIT = min(block_size,
+  BLOCK_N)`` keys each, one TMA box each) into a ring of ``NUM_BUFFERS`` slots;
+* two consumers (4 warps each, 64 query rows each), in FlashAttention-3's order: a step issues the next step's
+  ``S = Q K^T`` and this step's ``O += P V`` as asynchronous warp-group matrix products on the shared-memory tiles,
+  then computes the next step's online softmax (base 2, fp32) while they run; the two consumers take turns to issue,
+  so that one's softmax overlaps the other's matrix products (ping-pong). A slot is released when both have read it.
+
+Scope (``supported``): causal, 16-bit inputs, head dim 64 or 128, ``block_size >= 32``, compute capability 9.0, and
+tensors ``triton_impl._row_view`` can view as rows. Everything else stays on the Triton forward, and the tuner picks
+this kernel only where it is faster (on an H100 it wins at D = 128 and loses at D = 64: bench/NOTES.md).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .triton_setup import triton  # noqa: F401 (a clear error where Triton is missing)
+
+try:  # Gluon is experimental: its absence (or a changed API) only removes this kernel from the candidates
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - depends on the Triton build
+    AVAILABLE = False
+
+CONSUMER_ROWS = 64  # query rows per consumer warp group: wgmma's M of 16 rows per warp, 4 warps
+BLOCK_M = 2 * CONSUMER_ROWS
+# Registers: 12 warps (consumer 0 is the 4-warp default partition; the loader's warp is padded to a warp group) share
+# the 64K registers of one program per SM: 168 each at launch (65536 / (12 * 32)), then the loader gives most of its
+# share to the consumers, which hold a step's scores, the previous step's probabilities and 64 output rows.
+# 2 * 4 * 232 + 4 * 40 = 12 * 168. ptxas spills 8 bytes at D = 128 (28 with 240 / 24).
+MAXNREG = 168
+CONSUMER_REGISTERS = 232
+LOADER_REGISTERS = 40
+
+if AVAILABLE:
+
+    @gluon.jit
+    def _work_item(work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists,
+                   unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern,
+                   TILE: gl.constexpr, IS_VARLEN: gl.constexpr):
+        """Work item ``work`` (tiles fastest, then heads, then sequences; the latest, heaviest tile of a head first):
+        its sequence, query head, where its sequence starts and ends, and its list."""
+        tile_rank = work % num_q_tiles
+        q_head = (work // num_q_tiles) % num_q_heads
+        seq = work // (num_q_tiles * num_q_heads)
+        if IS_VARLEN:
+            q_start = gl.load(cu_seqlens_q + seq)
+            k_start = gl.load(cu_seqlens_k + seq)
+            seqlen_q = gl.load(cu_seqlens_q + seq + 1) - q_start
+            seqlen_k = gl.load(cu_seqlens_k + seq + 1) - k_start
+        else:
+            q_start = 0
+            k_start = 0
+        first_pos = seqlen_k - seqlen_q  # bottom-right alignment: absolute position of query row 0
+        tile = first_pos // TILE + num_q_tiles - 1 - tile_rank
+        pattern_head = q_head // q_heads_per_pattern
+        list_offset = pattern_head.to(gl.int64) * stride_up + tile.to(gl.int64) * stride_ut
+        counts = unit_counts + pattern_head.to(gl.int64) * stride_cp + tile.to(gl.int64) * stride_ct
+        # A tile past a (varlen) sequence's end runs no step; its rows are not stored.
+        has_rows = (seqlen_q > 0) & (tile * TILE < seqlen_k)
+        num_full = gl.load(counts, mask=has_rows, other=0)
+        num_entries = gl.load(counts + 1, mask=has_rows, other=0)
+        return (seq, q_head, q_start, k_start, seqlen_k, first_pos, tile * TILE, unit_lists + list_offset,
+                unit_bits + list_offset, num_full, num_entries)
+
+    @gluon.jit
+    def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, kv_free,
+                        work_args, strides, TILE: gl.constexpr, IS_VARLEN: gl.constexpr):
+        """Issue every TMA copy: per work item Q's two halves, then per step the K and V of ``GROUP = BLOCK_N // UNIT``
+        list entries, one box of ``UNIT`` rows each, into a ring slot (a step's missing entries repeat the last
+        one, which the consumers mask)."""
+        (num_work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists, unit_bits,
+         unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, q_heads_per_kv) = work_args
+        stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt = strides
+        NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
+        BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+        UNIT: gl.constexpr = k_desc.block_type.shape[0]
+        GROUP: gl.constexpr = BLOCK_N // UNIT
+        ROWS: gl.constexpr = q_desc.block_type.shape[0]
+        step = 0  # ring steps loaded so far: slot and phase
+        iteration = 0
+        for work in range(gl.program_id(0), num_work, gl.num_programs(0)):
+            seq, q_head, q_start, k_start, _, first_pos, tile_first, list_base, _, _, num_entries = _work_item(
+                work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists,
+                unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, TILE,
+                IS_VARLEN)
+            kv_head = q_head // q_heads_per_kv
+            # Where the head's rows start in the row descriptors' [rows, stride_t] views.
+            q_offset = seq.to(gl.int64) * stride_qb + q_head.to(gl.int64) * stride_qh
+            k_offset = seq.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh
+            v_offset = seq.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh
+            q_row = (q_offset // stride_qt).to(gl.int32) + q_start + tile_first - first_pos
+            q_col = (q_offset % stride_qt).to(gl.int32)
+            k_row = (k_offset // stride_kt).to(gl.int32) + k_start
+            k_col = (k_offset % stride_kt).to(gl.int32)
+            v_row = (v_offset // stride_vt).to(gl.int32) + k_start
+            v_col = (v_offset % stride_vt).to(gl.int32)
+            # A fresh mbarrier counts as having completed the phase before 0, so first passes do not wait.
+            mbarrier.wait(q_free, (iteration & 1) ^ 1)
+            mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_ready, q_smem.index(0))
+            tma.async_copy_global_to_shared(q_desc, [q_row + ROWS, q_col], q_ready, q_smem.index(1))
+            for j in range(gl.cdiv(num_entries, GROUP)):
+                slot = step % NUM_BUFFERS
+                mbarrier.wait(kv_free.index(slot), ((step // NUM_BUFFERS) & 1) ^ 1)
+                mbarrier.expect(k_ready.index(slot), GROUP * k_desc.block_type.nbytes)
+                mbarrier.expect(v_ready.index(slot), GROUP * v_desc.block_type.nbytes)
+                for member in gl.static_range(GROUP):
+                    first_key = gl.load(list_base + gl.minimum(j * GROUP + member, num_entries - 1)) * UNIT
+                    tma.async_copy_global_to_shared(k_desc, [k_row + first_key, k_col], k_ready.index(slot),
+                                                    k_bufs.index(slot).slice(member * UNIT, UNIT))
+                    tma.async_copy_global_to_shared(v_desc, [v_row + first_key, v_col], v_ready.index(slot),
+                                                    v_bufs.index(slot).slice(member * UNIT, UNIT))
+                step += 1
+            iteration += 1
+
+    @gluon.jit
+    def _scores(q_tile, k_bufs, k_ready, step, s_layout: gl.constexpr):
+        """Issue ``S = Q K^T`` of ring step ``step`` (asynchronous: wait with ``warpgroup_mma_wait``)."""
+        NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
+        BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+        ROWS: gl.constexpr = q_tile.type.shape[0]
+        slot = step % NUM_BUFFERS
+        mbarrier.wait(k_ready.index(slot), (step // NUM_BUFFERS) & 1)
+        return warpgroup_mma(q_tile, k_bufs.index(slot).permute((1, 0)),
+                             gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _softmax_step(s, m_i, l_i, j, num_full, num_entries, list_base, bits_base, q_pos, block_in_tile, seqlen_k,
+                      qk_scale, UNIT: gl.constexpr, s_layout: gl.constexpr):
+        """Online softmax of step ``j``'s raw scores ``s [ROWS, BLOCK_N]``: ``(p, alpha, m, l)``, the maximum kept in
+        raw score units (``qk_scale > 0`` folds into one fused multiply-add per score, in base 2)."""
+        BLOCK_N: gl.constexpr = s.type.shape[1]
+        GROUP: gl.constexpr = BLOCK_N // UNIT
+        if j * GROUP >= num_full:  # partial entries: keep bits, causality, key length, listed
+            offs = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            k_pos = offs % UNIT
+            bits = gl.zeros([BLOCK_N], gl.int32, gl.SliceLayout(0, s_layout))
+            for member in gl.static_range(GROUP):
+                entry = j * GROUP + member
+                listed = entry < num_entries
+                unit = gl.load(list_base + entry, mask=listed, other=0)
+                entry_bits = gl.load(bits_base + entry, mask=listed, other=0)  # 0: an unlisted member sees nothing
+                k_pos += gl.where(offs // UNIT == member, unit * UNIT, 0)
+                bits = gl.where(offs // UNIT == member, entry_bits, bits)
+            kept = ((bits[None, :] >> block_in_tile[:, None]) & 1) != 0
+            visible = kept & (k_pos[None, :] <= q_pos[:, None]) & (k_pos < seqlen_k)[None, :]
+            s = gl.where(visible, s, -float("inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_scaled = gl.where(m_new == -float("inf"), 0.0, m_new * qk_scale)  # rows that saw nothing yet: no inf - inf
+        alpha = gl.exp2(m_i * qk_scale - m_scaled)
+        p = gl.exp2(s * qk_scale - m_scaled[:, None])
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+    @gluon.jit
+    def _compute_partition(consumer: gl.constexpr, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready,
+                           kv_free, turns, work_args, out_args, qk_scale, TILE: gl.constexpr,
+                           BLOCK_SIZE: gl.constexpr, UNIT: gl.constexpr, IS_VARLEN: gl.constexpr):
+        """Consumer ``consumer`` (0 or 1): rows ``consumer * ROWS ...`` of each work item's query tile.
+
+        FlashAttention-3's order: each step issues the next step's ``Q K^T`` and this step's ``P V`` together, then
+        computes the next step's softmax while they run; the two consumers take turns to issue (the ``turns``
+        barriers), so that one's softmax overlaps the other's matrix products."""
+        (num_work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists, unit_bits,
+         unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, q_heads_per_kv) = work_args
+        out, lse, stride_ob, stride_oh, stride_ot, stride_lb, stride_lh, stride_lt = out_args
+        ROWS: gl.constexpr = q_smem.type.shape[1]
+        HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+        BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+        NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
+        GROUP: gl.constexpr = BLOCK_N // UNIT
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        q_tile = q_smem.index(consumer)  # [ROWS, D]
+        step = 0  # ring steps consumed so far: slot and phase
+        turn = 0  # matrix-product bursts issued so far
+        iteration = 0
+        for work in range(gl.program_id(0), num_work, gl.num_programs(0)):
+            (seq, q_head, q_start, _, seqlen_k_seq, first_pos, tile_first, list_base, bits_base, num_full,
+             num_entries) = _work_item(work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k,
+                                       unit_lists, unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct,
+                                       q_heads_per_pattern, TILE, IS_VARLEN)
+            num_steps = gl.cdiv(num_entries, GROUP)
+            q_pos = tile_first + consumer * ROWS + gl.arange(0, ROWS, layout=rows_s)  # [ROWS] absolute positions
+            block_in_tile = q_pos // BLOCK_SIZE - tile_first // BLOCK_SIZE  # bit index of each row's block
+            m_i = gl.full([ROWS], -float("inf"), gl.float32, rows_s)
+            l_i = gl.zeros([ROWS], gl.float32, rows_s)
+            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+            mbarrier.wait(q_ready, iteration & 1)
+            if num_steps > 0:
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(q_tile, k_bufs, k_ready, step, s_layout),))
+                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, num_full, num_entries, list_base, bits_base, q_pos,
+                                                   block_in_tile, seqlen_k_seq, qk_scale, UNIT, s_layout)
+                for j in range(num_steps):
+                    # Consumer 0 goes first (a fresh barrier lets its first wait pass).
+                    mbarrier.wait(turns.index(consumer), (turn & 1) ^ (1 - consumer))
+                    # The next step's scores (the last step recomputes its own, whose slot it still holds).
+                    s = _scores(q_tile, k_bufs, k_ready, step + gl.minimum(j + 1, num_steps - 1) - j, s_layout)
+                    acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+                    slot = step % NUM_BUFFERS
+                    mbarrier.wait(v_ready.index(slot), (step // NUM_BUFFERS) & 1)
+                    acc = warpgroup_mma(gl.convert_layout(p.to(v_bufs.dtype), p_layout), v_bufs.index(slot), acc,
+                                        is_async=True)
+                    mbarrier.arrive(turns.index(1 - consumer), count=1)
+                    turn += 1
+                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+                    if j + 1 < num_steps:
+                        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j + 1, num_full, num_entries, list_base,
+                                                           bits_base, q_pos, block_in_tile, seqlen_k_seq, qk_scale,
+                                                           UNIT, s_layout)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    mbarrier.arrive(kv_free.index(slot), count=1)
+                    step += 1
+            mbarrier.arrive(q_free, count=1)  # the loader may bring the next work item's Q
+
+            seen = l_i > 0
+            l_safe = gl.where(seen, l_i, 1.0)
+            row_real = (q_pos >= first_pos) & (q_pos < seqlen_k_seq)
+            rows = (q_start + q_pos - first_pos).to(gl.int64)
+            lse_head = lse + seq.to(gl.int64) * stride_lb + q_head.to(gl.int64) * stride_lh
+            lse_row = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453, -float("inf"))  # ln
+            gl.store(lse_head + rows * stride_lt, lse_row, mask=row_real)
+            out_head = out + seq.to(gl.int64) * stride_ob + q_head.to(gl.int64) * stride_oh
+            out_tile = acc / gl.convert_layout(l_safe, rows_o)[:, None]
+            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            gl.store(out_head + gl.convert_layout(rows, rows_o)[:, None] * stride_ot + cols[None, :],
+                     out_tile.to(out.dtype.element_ty), mask=gl.convert_layout(row_real, rows_o)[:, None])
+            iteration += 1
+
+    @gluon.jit
+    def s2_attention_fwd_ws_kernel(
+        q_desc, k_desc, v_desc,  # row descriptors (triton_impl._row_view): boxes [ROWS, D], [BLOCK_N, D] x 2
+        out, lse,  # [B, Hq, Tq, D], [B, Hq, Tq] float32
+        unit_lists, unit_bits, unit_counts,  # the forward's lists for 2 * ROWS-row tiles (build_unit_lists)
+        cu_seqlens_q, cu_seqlens_k,  # int32 [S + 1], read only when IS_VARLEN
+        stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+        stride_ob, stride_oh, stride_ot, stride_lb, stride_lh, stride_lt, stride_up, stride_ut, stride_cp, stride_ct,
+        seqlen_q, seqlen_k, qk_scale, q_heads_per_pattern, q_heads_per_kv, num_q_tiles, num_q_heads, num_work,
+        BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+        CONSUMER_REGISTERS: gl.constexpr, LOADER_REGISTERS: gl.constexpr,
+    ):
+        """Persistent: program ``p`` runs work items ``p, p + P, ...`` of ``num_work = num_q_tiles * Hq * (B or
+        S)`` (``_work_item``), so that one item's epilogue overlaps the next one's loads. ``qk_scale = scale *
+        log2(e)``; launched with 4 warps (consumer 0) plus the two worker partitions."""
+        ROWS: gl.constexpr = q_desc.block_type.shape[0]
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+        UNIT: gl.constexpr = k_desc.block_type.shape[0]
+        TILE: gl.constexpr = 2 * ROWS
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], v_desc.layout)
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+        kv_free = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready, count=1)
+        mbarrier.init(q_free, count=2)  # both consumers release Q
+        for slot in gl.static_range(NUM_BUFFERS):
+            mbarrier.init(k_ready.index(slot), count=1)
+            mbarrier.init(v_ready.index(slot), count=1)
+            mbarrier.init(kv_free.index(slot), count=2)  # both consumers release a slot
+        mbarrier.init(turns.index(0), count=1)
+        mbarrier.init(turns.index(1), count=1)
+
+        work_args = (num_work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists,
+                     unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern,
+                     q_heads_per_kv)
+        out_args = (out, lse, stride_ob, stride_oh, stride_ot, stride_lb, stride_lh, stride_lt)
+        strides = (stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt)
+        gl.warp_specialize(
+            [
+                (_compute_partition, (0, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, kv_free, turns,
+                                      work_args, out_args, qk_scale, TILE, BLOCK_SIZE, UNIT, IS_VARLEN)),
+                (_compute_partition, (1, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, kv_free, turns,
+                                      work_args, out_args, qk_scale, TILE, BLOCK_SIZE, UNIT, IS_VARLEN)),
+                (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready,
+                                   kv_free, work_args, strides, TILE, IS_VARLEN)),
+            ],
+            [4, 1],
+            [CONSUMER_REGISTERS, LOADER_REGISTERS],  # the default partition (consumer 0) gets what is left
+        )
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, causal: bool, block_size: int) -> bool:
+    """Whether this kernel can run the call, given row views of q, k and v (``triton_impl._row_view``)."""
+    return (
+        AVAILABLE and q.is_cuda and causal and q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k.dtype
+        and q.shape[-1] in (64, 128) and block_size >= 32
+        and torch.cuda.get_device_capability(q.device) == (9, 0)
+    )
+
+
+def launch(q, k, v, out, lse, row_views, lists, problem, qk_scale: float, block_size: int, block_n: int,
+           num_pattern_heads: int, num_buffers: int) -> None:
+    """Run the kernel. ``row_views``: ``(shape, strides)`` of q, k and v seen as rows (``triton_impl._row_view``);
+    ``lists``: the forward's lists for ``BLOCK_M``-row query tiles and ``block_n``-key units; ``problem``:
+    ``triton_impl._Problem``."""
+    units, bits, counts = lists
+    gl_dtype = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
+    head_dim = q.shape[-1]
+    descriptors = []
+    unit = min(block_size, block_n)  # keys per list entry: one TMA box
+    for t, (shape, strides), rows in zip((q, k, v), row_views, (CONSUMER_ROWS, unit, unit)):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
+        descriptors.append(GluonTensorDescriptor(t, shape, strides, [rows, head_dim], layout))
+    num_q_heads = q.shape[1]
+    num_q_tiles = problem.num_q_tiles(BLOCK_M)
+    num_work = num_q_tiles * num_q_heads * problem.num_seqs
+    grid = (min(num_work, _num_sms(q.device)),)
+    s2_attention_fwd_ws_kernel[grid](
+        *descriptors, out, lse, units, bits, counts, problem.cu_seqlens_q, problem.cu_seqlens_k,
+        *problem.strides(q)[:3], *problem.strides(k)[:3], *problem.strides(v)[:3], *problem.strides(out)[:3],
+        *problem.strides(lse), *units.stride()[:2], *counts.stride()[:2],
+        q.shape[2], k.shape[2], qk_scale, num_q_heads // num_pattern_heads, num_q_heads // k.shape[1],
+        num_q_tiles, num_q_heads, num_work,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, IS_VARLEN=problem.is_varlen, NUM_BUFFERS=num_buffers,
+        CONSUMER_REGISTERS=CONSUMER_REGISTERS, LOADER_REGISTERS=LOADER_REGISTERS, num_warps=4, maxnreg=MAXNREG,
+    )
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
