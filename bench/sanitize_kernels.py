@@ -1,8 +1,11 @@
-"""Run every Triton kernel once on small odd shapes, for compute-sanitizer (memcheck): no out-of-bounds access."""
+"""Run every Triton kernel once on small odd shapes, for compute-sanitizer (memcheck): no out-of-bounds access.
+
+On compute capability 9.0 the warp-specialized Gluon forward (``hopper_fwd.py``) runs too, forced, on its own cases.
+"""
 
 import torch
 
-from s2_models.kernels import S2Pattern, s2_attention
+from s2_models.kernels import S2Pattern, s2_attention, triton_impl
 from s2_models.kernels.decode import CompactLayout, s2_cache_append, s2_decode_attention
 
 torch.manual_seed(0)
@@ -33,6 +36,21 @@ for dtype in (torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.flo
                             num_splits=3)
         new = k.detach()[:, :, :3]
         s2_cache_append(cache, cache.clone(), new, new, seq_lens, layout, num_ring_slots=layout.num_ring_slots(n))
+if DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0):
+    for size in ("small", "medium"):
+        triton_impl._CANDIDATES[("fwd", size)] = triton_impl._WARP_SPECIALIZED_FWD
+    triton_impl._TUNED_CONFIGS.clear()
+    for pattern, (tq, tk), d in [
+        (S2Pattern(64, 2, 3), (77, 77), 64),
+        (S2Pattern(64, 2, 3, num_dense_heads=1), (1, 300), 128),
+        (S2Pattern(32, 1, 2, per_query_head=True), (130, 200), 128),
+    ]:
+        q = torch.randn(2, 8, tq, d, device=DEVICE, dtype=torch.bfloat16)
+        k, v = (torch.randn(2, 2, tk, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+        s2_attention(q, k, v, pattern)
+        cu = torch.tensor([0, 0, 33, tk], device=DEVICE, dtype=torch.int32)
+        s2_attention(k[:1].repeat(1, 4, 1, 1), k[:1], v[:1], pattern, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                     max_seqlen_q=tk, max_seqlen_k=tk)
 if DEVICE == "cuda":
     torch.cuda.synchronize()
 print("sanitize run complete")
