@@ -4,8 +4,9 @@ Entry points: the launchers ``s2_attention_fwd`` and ``s2_attention_bwd``, per t
 ``interface.py``. Call chain: ``s2_attention_fwd_kernel`` -> ``s2_attention_fwd`` -> the custom op ``s2::attention``
 (``interface.attention_op``, whose registered autograd calls ``s2::attention_backward``) -> ``s2_attention``;
 backward: ``s2_attention_bwd_preprocess_kernel`` (delta), ``s2_attention_bwd_dq_kernel`` and
-``s2_attention_bwd_dkdv_kernel`` -> ``s2_attention_bwd``. On compute capability 9.0 the forward's tuner also times
-the warp-specialized Gluon forward (``hopper_fwd.py``, ``TileConfig.warp_specialized``) and runs it where it wins.
+``s2_attention_bwd_dkdv_kernel`` -> ``s2_attention_bwd``. On compute capability 9.0 the tuners also time the
+warp-specialized Gluon forward (``hopper_fwd.py``) and dk/dv kernel (``hopper_bwd.py``; ``TileConfig.warp_specialized``)
+and run them where they win.
 
 Kernel tiles are decoupled from the sparsity granularity ``block_size``:
 
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import hopper_fwd
+from . import hopper_bwd, hopper_fwd
 from .layouts import BlockLayout, Varlen
 from .triton_setup import TensorDescriptor, tl, triton
 
@@ -463,18 +464,26 @@ def s2_attention_bwd_dkdv_kernel(
     stride_lb, stride_lh, stride_lt,
     stride_up, stride_ut, stride_cp, stride_ct,
     seqlen_q, seqlen_k, stride_db, stride_dh, scale, qk_scale, q_heads_per_pattern, q_heads_per_kv,
+    stride_split,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, UNIT: tl.constexpr, CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr,
-    TMA: tl.constexpr, MASKED_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, MASKED_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_SPLIT: tl.constexpr,
 ):
-    """Grid ``(num_k_tiles, Hkv, B or S)``: dK, dV of ``BLOCK_N`` keys of one KV head, reduced over its whole query
-    group in registers (GQA without copies or atomics)."""
-    kv_head = tl.program_id(1)
+    """Grid ``(num_k_tiles, GROUP_SPLIT * Hkv, B or S)``: dK, dV of ``BLOCK_N`` keys of one KV head, reduced over its
+    query group (or ``1 / GROUP_SPLIT`` of it) in registers, GQA without copies or atomics.
+
+    With ``GROUP_SPLIT > 1`` the query heads of a group are shared out among that many programs, each storing its
+    partial sums (float32) at ``dk/dv + split * stride_split`` for the launcher to add up: the longest lists (a
+    group's G heads over an early vertical block, read by every later query) then no longer run end to end in one
+    program. Key tiles stay the fastest grid dimension: neighbouring programs read the same heads' Q and dO from L2
+    (launching every head's early tiles first instead, longest first, was 1.2x slower: bench/NOTES.md)."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1) // GROUP_SPLIT
+    split = tl.program_id(1) % GROUP_SPLIT
     seq = tl.program_id(2)
     q_start, k_start, seqlen_q, seqlen_k = _sequence_bounds(
         cu_seqlens_q, cu_seqlens_k, seq, seqlen_q, seqlen_k, IS_VARLEN
     )
-    tile = tl.program_id(0)
     if tile * BLOCK_N >= seqlen_k:
         return
     first_pos = seqlen_k - seqlen_q
@@ -489,7 +498,8 @@ def s2_attention_bwd_dkdv_kernel(
     dk_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     GROUP: tl.constexpr = BLOCK_M // UNIT
-    for group_member in range(0, q_heads_per_kv):
+    members_per_split = q_heads_per_kv // GROUP_SPLIT
+    for group_member in range(split * members_per_split, (split + 1) * members_per_split):
         q_head = kv_head * q_heads_per_kv + group_member
         pattern_head = q_head // q_heads_per_pattern
         q_head_base = q + seq.to(tl.int64) * stride_qb + q_head.to(tl.int64) * stride_qh
@@ -515,8 +525,8 @@ def s2_attention_bwd_dkdv_kernel(
                 first_pos, seqlen_k, stride_qt, stride_qd, stride_gt, stride_gd, stride_lt, qk_scale,
                 HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_M, UNIT, CAUSAL, True, False, DOT_PRECISION,
             )
-    dk_head = dk + seq.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
-    dv_head = dv + seq.to(tl.int64) * stride_dvb + kv_head.to(tl.int64) * stride_dvh
+    dk_head = dk + split.to(tl.int64) * stride_split + seq.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
+    dv_head = dv + split.to(tl.int64) * stride_split + seq.to(tl.int64) * stride_dvb + kv_head.to(tl.int64) * stride_dvh
     _store_rows(dk_head, dk_acc * scale, k_rows, key_real, stride_dkt, stride_dkd, HEAD_DIM, BLOCK_D)
     _store_rows(dv_head, dv_acc, k_rows, key_real, stride_dvt, stride_dvd, HEAD_DIM, BLOCK_D)
 
@@ -623,7 +633,9 @@ class TileConfig:
     block_n: int  # key positions per tile (gathered in fwd/dq, resident in dk/dv)
     num_warps: int
     num_stages: int  # software-pipelining depth; for the warp-specialized forward: its ring of K/V buffers
-    warp_specialized: bool = False  # the Gluon forward for Hopper (hopper_fwd.py); block_m must be its BLOCK_M
+    # The Gluon kernels for Hopper (hopper_fwd.py: block_m must be its BLOCK_M; hopper_bwd.py: block_n its BLOCK_N).
+    warp_specialized: bool = False
+    group_split: int = 1  # dk/dv: programs sharing a GQA group's query heads (s2_attention_bwd_dkdv_kernel)
 
 
 # Used where nothing can be timed (TRITON_INTERPRET=1 / CPU tensors). Tests may swap in other tiles.
@@ -659,6 +671,14 @@ def _configs(*tiles: tuple[int, int, int]) -> list[TileConfig]:
 # last in each list, so that S2_ATTENTION_AUTOTUNE=0 keeps the Triton forward. 128-key steps were slower at every
 # shape measured (ptxas spills at D = 128; bench/NOTES.md).
 _WARP_SPECIALIZED_FWD = [TileConfig(hopper_fwd.BLOCK_M, 64, 4, 3, True)]
+# The warp-specialized dk/dv kernel (hopper_bwd.py): 128-key tiles; 64- or 32-query steps in a ring of Q/dO buffers.
+_WARP_SPECIALIZED_DKDV = {
+    "small": [TileConfig(64, hopper_bwd.BLOCK_N, 4, 3, True)],
+    "medium": [TileConfig(64, hopper_bwd.BLOCK_N, 4, 2, True), TileConfig(32, hopper_bwd.BLOCK_N, 4, 3, True)],
+}
+# dk/dv with a GQA group's query heads shared out among 2 or 4 programs (s2_attention_bwd_dkdv_kernel), where the group
+# size allows: shortens the longest lists, those of early vertical blocks, at the cost of float32 partial sums.
+_GROUP_SPLIT_DKDV = [TileConfig(64, 64, 4, 2, group_split=split) for split in (2, 4)]
 _CANDIDATES = {
     ("fwd", "small"): _configs((128, 64, 4), (128, 128, 8), (64, 64, 4)) + _WARP_SPECIALIZED_FWD,
     ("fwd", "medium"): _configs((128, 64, 8), (128, 64, 4), (128, 128, 8), (64, 64, 4)) + _WARP_SPECIALIZED_FWD,
@@ -666,8 +686,10 @@ _CANDIDATES = {
     ("dq", "small"): _configs((128, 64, 8), (64, 64, 4), (128, 128, 8)),
     ("dq", "medium"): _configs((128, 64, 8), (64, 64, 4), (128, 32, 8), (64, 32, 4)),
     ("dq", "large"): _configs((64, 32, 4), (64, 64, 8), (32, 64, 4)),
-    ("dkdv", "small"): _configs((64, 128, 8), (64, 64, 4), (32, 128, 4)),
-    ("dkdv", "medium"): _configs((64, 128, 8), (32, 128, 8), (64, 64, 4), (32, 64, 4)),
+    ("dkdv", "small"): (_configs((64, 128, 8), (64, 64, 4), (32, 128, 4)) + _GROUP_SPLIT_DKDV
+                        + _WARP_SPECIALIZED_DKDV["small"]),
+    ("dkdv", "medium"): (_configs((64, 128, 8), (32, 128, 8), (64, 64, 4), (32, 64, 4)) + _GROUP_SPLIT_DKDV
+                         + _WARP_SPECIALIZED_DKDV["medium"]),
     ("dkdv", "large"): _configs((32, 64, 4), (16, 64, 4), (32, 32, 4), (64, 64, 8)),
 }
 
@@ -893,26 +915,49 @@ def s2_attention_bwd(
             num_stages=config.num_stages, **constexprs,
         )
 
+    # TMA boxes are not masked: only where queries and keys are the same tokens (training), so that no full query
+    # unit starts before a sequence's first query. Rows past a sequence's end (in its last unit) read the next rows
+    # of the tensor, or zeros past it, and their lse (+inf) gives them p = 0.
+    same_tokens = varlen.equal_lengths if varlen is not None else seqlen_q == k.shape[2]
+    dkdv_row_views = (_row_view(q), _row_view(dout), _row_view(k), _row_view(v))
+    warp_specialized_ok = (hopper_bwd.supported(q, k, layout.causal, layout.block_size, same_tokens)
+                           and None not in dkdv_row_views)
+
+    def usable_dkdv(config: TileConfig) -> bool:
+        split_ok = config.group_split == 1 or (num_q_heads // num_kv_heads) % config.group_split == 0
+        return split_ok and (not config.warp_specialized or warp_specialized_ok)
+
     def launch_dkdv(config: TileConfig):
         units, bits, counts = _unit_lists(layout, config.block_n, config.block_m, resident_is_query=False)
-        grid = (triton.cdiv(problem.max_seqlen_k, config.block_n), num_kv_heads, problem.num_seqs)
-        # TMA boxes are not masked: only where queries and keys are the same tokens (training), so that no full
-        # query unit starts before a sequence's first query. Rows past a sequence's end (in its last unit) read the
-        # next rows of the tensor, or zeros past it, and their lse (+inf) gives them p = 0.
-        same_tokens = varlen.equal_lengths if varlen is not None else seqlen_q == k.shape[2]
+        if config.warp_specialized:
+            hopper_bwd.launch_dkdv(q, dout, k, v, lse, delta, dk, dv, dkdv_row_views, (units, bits, counts), problem,
+                                   scale, scale * LOG2E, layout.block_size, config.block_m, layout.num_pattern_heads,
+                                   config.num_stages)
+            return
+        split = config.group_split
+        dk_out, dv_out = dk, dv
+        if split > 1:  # float32 partial sums [split, *k.shape], added up below
+            dk_out, dv_out = (torch.empty(split, *k.shape, dtype=torch.float32, device=k.device) for _ in "kv")
+        grid = (triton.cdiv(problem.max_seqlen_k, config.block_n), split * num_kv_heads, problem.num_seqs)
         q_desc, do_desc = _row_descriptors(
             same_tokens and _use_tma(layout, config.block_m, head_dim, q.device), config.block_m, q, dout
         )
         s2_attention_bwd_dkdv_kernel[grid](
-            q, k, v, dout, lse, delta, dk, dv, q_desc, do_desc, units, bits, counts, problem.cu_seqlens_q,
+            q, k, v, dout, lse, delta, dk_out, dv_out, q_desc, do_desc, units, bits, counts, problem.cu_seqlens_q,
             problem.cu_seqlens_k,
-            *shared_args, *problem.strides(dk), *problem.strides(dv), *problem.strides(lse),
+            *shared_args, *problem.strides(dk_out[0] if split > 1 else dk),
+            *problem.strides(dv_out[0] if split > 1 else dv), *problem.strides(lse),
             *units.stride()[:2], *counts.stride()[:2], *tail_args,
+            dk_out.stride(0) if split > 1 else 0,  # the same for dv_out
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, UNIT=min(layout.block_size, config.block_m),
             TMA=q_desc is not None, MASKED_STAGES=_MASKED_LOOP_STAGES, num_warps=config.num_warps,
-            num_stages=config.num_stages, **constexprs,
+            num_stages=config.num_stages, GROUP_SPLIT=split, **constexprs,
         )
+        if split > 1:
+            dk.copy_(dk_out.sum(0))
+            dv.copy_(dv_out.sum(0))
 
     launch_dq(_pick_config("dq", problem.tune_key, head_dim, q.device, launch_dq))
-    launch_dkdv(_pick_config("dkdv", problem.tune_key, head_dim, q.device, launch_dkdv))
+    launch_dkdv(_pick_config("dkdv", (*problem.tune_key, warp_specialized_ok), head_dim, q.device, launch_dkdv,
+                             usable_dkdv))
     return dq, dk, dv

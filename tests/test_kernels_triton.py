@@ -63,9 +63,14 @@ def _assert_close(name, kernel, reference, low_precision, factor, floor):
     assert error <= factor * baseline + floor, message
 
 
-def check_against_reference(seed, shape, dtype, pattern=None, causal=True, **kwargs):
-    """Compare the Triton backend with naive fp64 and naive in ``dtype`` (outputs, lse and all gradients)."""
+def check_against_reference(seed, shape, dtype, pattern=None, causal=True, memory="bhtd", **kwargs):
+    """Compare the Triton backend with naive fp64 and naive in ``dtype`` (outputs, lse and all gradients).
+
+    ``memory="bthd"``: q, k, v and the output gradient stored as the model's projections ``[B, T, H, D]`` and seen
+    as ``[B, H, T, D]`` through a transpose."""
     q, k, v, grad_out, grad_lse = _make_inputs(seed, *shape, dtype)
+    if memory == "bthd":
+        q, k, v, grad_out = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, grad_out))
     reference_device = DEVICE if dtype != torch.float16 or DEVICE == "cuda" else "cpu"
 
     def triton_fn(q_, k_, v_):
@@ -230,6 +235,22 @@ def test_excluded_blocks_are_never_read():
         assert not torch.equal(out[0, head, ~excluded.to(out.device)], out2[0, head, ~excluded.to(out.device)])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("group_split", [2, 4])
+def test_dkdv_group_split_matches_reference(monkeypatch, group_split, dtype):
+    """dK/dV with a GQA group's query heads shared out among programs (float32 partial sums, added by the launcher):
+    odd length, varied patterns per KV head, a group of 4."""
+    config = triton_impl.INTERPRETER_CONFIGS["dkdv"]
+    split_config = triton_impl.TileConfig(config.block_m, config.block_n, config.num_warps, config.num_stages,
+                                          group_split=group_split)
+    monkeypatch.setitem(triton_impl.INTERPRETER_CONFIGS, "dkdv", split_config)
+    if DEVICE == "cuda":
+        monkeypatch.setitem(triton_impl._CANDIDATES, ("dkdv", "small"), [split_config])
+        monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})
+    pattern = S2Pattern(block_size=16, local_blocks=2, vert_stride=3)
+    check_against_reference(150 + group_split, (2, 8, 2, 151, 151, 32), dtype, pattern)
+
+
 def test_unit_lists_cover_exactly_the_kept_units():
     """Full entries are kept by every block of the tile and need no causal mask; full + partial = the kept set."""
     pattern = S2Pattern(block_size=16, local_blocks=3, vert_stride=5)
@@ -302,9 +323,9 @@ def test_gpu_every_candidate_config(monkeypatch, kind, size, config):
     monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})
     head_dim = {"small": 64, "medium": 128, "large": 256}[size]
     if config.warp_specialized and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the warp-specialized forward is for compute capability 9.0")
+        pytest.skip("the warp-specialized kernels are for compute capability 9.0")
     pattern = S2Pattern(block_size=32, local_blocks=3, vert_stride=4)
-    check_against_reference(400, (1, 4, 2, 1111, 1111, head_dim), torch.bfloat16, pattern)
+    check_against_reference(400, (1, 8, 2, 1111, 1111, head_dim), torch.bfloat16, pattern)  # GQA groups of 4
 
 
 WARP_SPECIALIZED_CASES = [
@@ -363,3 +384,54 @@ def test_gpu_warp_specialized_forward_varlen(monkeypatch):
     low_out, low_lse = naive_s2_attention(q, k, v, pattern, dtype=torch.bfloat16, cu_seqlens_q=cu, cu_seqlens_k=cu)
     _assert_close("out", out, exact_out, low_out, 2, ABS_FLOOR[torch.bfloat16])
     _assert_close("lse", lse, exact_lse, low_lse, 2, ABS_FLOOR[torch.bfloat16])
+
+
+WARP_SPECIALIZED_DKDV_CASES = [
+    # (batch, Hq, Hkv, T, T, D), pattern fields, memory layout: queries and keys are the same tokens (training)
+    ((2, 4, 2, 1111, 1111, 128), dict(block_size=64, local_blocks=3, vert_stride=4), "bhtd"),
+    ((1, 8, 2, 3001, 3001, 64), dict(block_size=128, local_blocks=2, vert_stride=3), "bhtd"),
+    ((2, 8, 2, 1500, 1500, 128), dict(block_size=64, local_blocks=4, vert_stride=8, per_query_head=True), "bthd"),
+    ((1, 4, 1, 257, 257, 64), dict(block_size=128, local_blocks=1, vert_stride=2, num_dense_heads=1), "bthd"),
+    ((1, 4, 2, 2001, 2001, 128), dict(block_size=32, local_blocks=5, vert_stride=7), "bhtd"),
+    ((1, 2, 2, 4097, 4097, 64), dict(block_size=64, local_blocks=2, vert_stride=16), "bhtd"),
+]
+
+
+def _force_warp_specialized_dkdv(monkeypatch, size, config):
+    """Make ``config`` the only dk/dv candidate; returns a list that records each launch of the Gluon kernel."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warp-specialized dk/dv kernel is for compute capability 9.0")
+    monkeypatch.setitem(triton_impl._CANDIDATES, ("dkdv", size), [config])
+    monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})
+    launches = []
+    launch = triton_impl.hopper_bwd.launch_dkdv
+    monkeypatch.setattr(triton_impl.hopper_bwd, "launch_dkdv", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
+    return launches
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", range(len(WARP_SPECIALIZED_DKDV_CASES)))
+def test_gpu_warp_specialized_dkdv(monkeypatch, case, dtype):
+    """The Gluon dk/dv kernel (hopper_bwd.py), each of its tiles, against the float64 reference: odd lengths, GQA
+    (dK/dV reduced over the group), one pattern per query head, dense heads, the [B, T, H, D] projection output behind
+    a transpose, steps of one list entry or gathered from two (block 32); it must really run."""
+    shape, fields, memory = WARP_SPECIALIZED_DKDV_CASES[case]
+    size = "small" if shape[-1] <= 64 else "medium"
+    for config in triton_impl._WARP_SPECIALIZED_DKDV[size]:
+        launches = _force_warp_specialized_dkdv(monkeypatch, size, config)
+        check_against_reference(520 + case, shape, dtype, S2Pattern(**fields), memory=memory)
+        assert launches, f"the warp-specialized dk/dv kernel did not run ({config})"
+
+
+@pytest.mark.gpu
+def test_gpu_warp_specialized_dkdv_varlen(monkeypatch):
+    """Packed sequences (an empty one, one shorter than a tile, ends inside a query unit) through the Gluon dk/dv."""
+    lens = [1000, 0, 1, 2047, 700]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    for config in triton_impl._WARP_SPECIALIZED_DKDV["medium"]:
+        launches = _force_warp_specialized_dkdv(monkeypatch, "medium", config)
+        pattern = S2Pattern(block_size=64, local_blocks=4, vert_stride=8)
+        check_against_reference(530, (1, 8, 2, sum(lens), sum(lens), 128), torch.bfloat16, pattern,
+                                cu_seqlens_q=cu, cu_seqlens_k=cu)
+        assert launches, f"the warp-specialized dk/dv kernel did not run ({config})"
