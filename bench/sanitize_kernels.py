@@ -1,7 +1,10 @@
 """Run every Triton kernel once on small odd shapes, for compute-sanitizer (memcheck): no out-of-bounds access.
 
-On compute capability 9.0 the warp-specialized Gluon forward (``hopper_fwd.py``) runs too, forced, on its own cases.
+On compute capability 9.0 the warp-specialized Gluon kernels (``hopper_fwd.py``, ``hopper_bwd.py``) and the split-group
+dk/dv run too, forced, on their own cases.
 """
+
+import os
 
 import torch
 
@@ -37,20 +40,26 @@ for dtype in (torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.flo
         new = k.detach()[:, :, :3]
         s2_cache_append(cache, cache.clone(), new, new, seq_lens, layout, num_ring_slots=layout.num_ring_slots(n))
 if DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0):
+    os.environ["S2_ATTENTION_AUTOTUNE"] = "0"  # one launch per kernel: the forced candidate
     for size in ("small", "medium"):
         triton_impl._CANDIDATES[("fwd", size)] = triton_impl._WARP_SPECIALIZED_FWD
-    triton_impl._TUNED_CONFIGS.clear()
-    for pattern, (tq, tk), d in [
-        (S2Pattern(64, 2, 3), (77, 77), 64),
-        (S2Pattern(64, 2, 3, num_dense_heads=1), (1, 300), 128),
-        (S2Pattern(32, 1, 2, per_query_head=True), (130, 200), 128),
+    for pattern, t, d in [
+        (S2Pattern(64, 2, 3), 77, 64),
+        (S2Pattern(64, 2, 3, num_dense_heads=1), 300, 128),
+        (S2Pattern(32, 1, 2, per_query_head=True), 200, 128),
     ]:
-        q = torch.randn(2, 8, tq, d, device=DEVICE, dtype=torch.bfloat16)
-        k, v = (torch.randn(2, 2, tk, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
-        s2_attention(q, k, v, pattern)
-        cu = torch.tensor([0, 0, 33, tk], device=DEVICE, dtype=torch.int32)
-        s2_attention(k[:1].repeat(1, 4, 1, 1), k[:1], v[:1], pattern, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                     max_seqlen_q=tk, max_seqlen_k=tk)
+        size = "small" if d <= 64 else "medium"
+        # Queries and keys the same tokens, as the warp-specialized dk/dv requires; and split GQA groups.
+        for dkdv_config in triton_impl._WARP_SPECIALIZED_DKDV[size] + triton_impl._GROUP_SPLIT_DKDV:
+            triton_impl._CANDIDATES[("dkdv", size)] = [dkdv_config]
+            triton_impl._TUNED_CONFIGS.clear()
+            q = torch.randn(2, 8, t, d, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+            k, v = (torch.randn(2, 2, t, d, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+            s2_attention(q, k, v, pattern).float().sum().backward()
+            cu = torch.tensor([0, 0, 33, t], device=DEVICE, dtype=torch.int32)
+            packed = [x.detach()[:1].requires_grad_() for x in (q, k, v)]
+            s2_attention(*packed, pattern, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=t,
+                         max_seqlen_k=t).float().sum().backward()
 if DEVICE == "cuda":
     torch.cuda.synchronize()
 print("sanitize run complete")
