@@ -793,9 +793,12 @@ def _row_view(t: torch.Tensor) -> tuple[list[int], list[int]] | None:
     a head's rows from its offset (``_descriptor_origin``), without copies."""
     batch, heads, _, head_dim = t.shape
     row_stride = t.stride(2)
-    aligned = t.stride(3) == 1 and (row_stride * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+    # (A broadcast tensor, e.g. the output gradient of a sum, has row stride 0: no view.)
+    aligned = row_stride > 0 and t.stride(3) == 1 and (row_stride * t.element_size()) % 16 == 0
+    if not (aligned and t.data_ptr() % 16 == 0):
+        return None
     heads_fit = t.stride(1) % row_stride == 0 or t.stride(1) * (heads - 1) + head_dim <= row_stride
-    if not (aligned and heads_fit and (batch == 1 or t.stride(0) % row_stride == 0)):
+    if not (heads_fit and (batch == 1 or t.stride(0) % row_stride == 0)):
         return None
     extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
     return [-(-extent // row_stride), row_stride], [row_stride, 1]
