@@ -45,10 +45,11 @@ BLOCK_N = 2 * CONSUMER_ROWS
 if AVAILABLE:
 
     @gluon.jit
-    def _key_tile(work, num_seqs, num_kv_heads, cu_seqlens_k, seqlen_k, IS_VARLEN: gl.constexpr):
+    def _key_tile(work, num_seqs, num_kv_heads, cu_seqlens_k, seqlen_k, BLOCK_N: gl.constexpr,
+                  IS_VARLEN: gl.constexpr):
         """Work item ``work`` (KV heads fastest, then sequences, then tiles: every head's and sequence's first, most
         read tile first; measured only this way, bench/NOTES.md): its sequence, KV head, tile, where the sequence's
-        keys start and how many it has (0 for a tile past its end)."""
+        keys start, how many it has, and whether the tile holds any of them."""
         tile = work // (num_kv_heads * num_seqs)
         kv_head = work % num_kv_heads
         seq = work // num_kv_heads % num_seqs
@@ -57,7 +58,7 @@ if AVAILABLE:
             seqlen_k = gl.load(cu_seqlens_k + seq + 1) - k_start
         else:
             k_start = 0
-        return seq, kv_head, tile, k_start, seqlen_k
+        return seq, kv_head, tile, k_start, seqlen_k, tile * BLOCK_N < seqlen_k
 
     @gluon.jit
     def _query_list(unit_lists, unit_bits, unit_counts, q_head, tile, has_keys, q_heads_per_pattern, stride_up,
@@ -87,9 +88,8 @@ if AVAILABLE:
         step = 0
         iteration = 0
         for work in range(gl.program_id(0), num_work, gl.num_programs(0)):
-            seq, kv_head, tile, k_start, seqlen_k_seq = _key_tile(work, num_seqs, num_kv_heads, cu_seqlens_k,
-                                                                   seqlen_k, IS_VARLEN)
-            has_keys = tile * 2 * ROWS < seqlen_k_seq
+            seq, kv_head, tile, k_start, seqlen_k_seq, has_keys = _key_tile(
+                work, num_seqs, num_kv_heads, cu_seqlens_k, seqlen_k, 2 * ROWS, IS_VARLEN)
             k_offset = seq.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh
             v_offset = seq.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh
             k_row = (k_offset // stride_kt).to(gl.int32) + k_start + tile * 2 * ROWS
@@ -156,9 +156,8 @@ if AVAILABLE:
         step = 0
         iteration = 0
         for work in range(gl.program_id(0), num_work, gl.num_programs(0)):
-            seq, kv_head, tile, k_start, seqlen_k_seq = _key_tile(work, num_seqs, num_kv_heads, cu_seqlens_k,
-                                                                   seqlen_k, IS_VARLEN)
-            has_keys = tile * 2 * ROWS < seqlen_k_seq
+            seq, kv_head, tile, k_start, seqlen_k_seq, has_keys = _key_tile(
+                work, num_seqs, num_kv_heads, cu_seqlens_k, seqlen_k, 2 * ROWS, IS_VARLEN)
             tile_first = tile * 2 * ROWS
             k_pos = tile_first + consumer * ROWS + gl.arange(0, ROWS, layout=keys_s)  # [ROWS] positions
             block_in_tile = k_pos // BLOCK_SIZE - tile_first // BLOCK_SIZE  # bit index of each key's block
