@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from .hopper_fwd import AVAILABLE, CONSUMER_REGISTERS, LOADER_REGISTERS, MAXNREG, _num_sms
+from .sequence_bounds import sequence_bounds
 
 if AVAILABLE:
     from .hopper_fwd import GluonTensorDescriptor, gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -45,19 +46,15 @@ BLOCK_N = 2 * CONSUMER_ROWS
 if AVAILABLE:
 
     @gluon.jit
-    def _key_tile(work, num_seqs, num_kv_heads, cu_seqlens_k, seqlen_k, BLOCK_N: gl.constexpr,
+    def _key_tile(work, num_k_tiles, num_kv_heads, cu_seqlens_k, seqlen_k, BLOCK_N: gl.constexpr,
                   IS_VARLEN: gl.constexpr):
-        """Work item ``work`` (KV heads fastest, then sequences, then tiles: every head's and sequence's first, most
-        read tile first; measured only this way, bench/NOTES.md): its sequence, KV head, tile, where the sequence's
-        keys start, how many it has, and whether the tile holds any of them."""
-        tile = work // (num_kv_heads * num_seqs)
-        kv_head = work % num_kv_heads
-        seq = work // num_kv_heads % num_seqs
-        if IS_VARLEN:
-            k_start = gl.load(cu_seqlens_k + seq)
-            seqlen_k = gl.load(cu_seqlens_k + seq + 1) - k_start
-        else:
-            k_start = 0
+        """Work item ``work`` (tiles fastest, then KV heads, then sequences, as the Triton kernel's grid: programs
+        running at the same time read the same heads' Q and dO from L2): its sequence, KV head, tile, where the
+        sequence's keys start, how many it has, and whether the tile holds any of them."""
+        tile = work % num_k_tiles
+        kv_head = work // num_k_tiles % num_kv_heads
+        seq = work // (num_k_tiles * num_kv_heads)
+        k_start, _, seqlen_k, _ = sequence_bounds(cu_seqlens_k, cu_seqlens_k, seq, seqlen_k, seqlen_k, IS_VARLEN)
         return seq, kv_head, tile, k_start, seqlen_k, tile * BLOCK_N < seqlen_k
 
     @gluon.jit
@@ -76,7 +73,7 @@ if AVAILABLE:
                         qdo_ready, qdo_free, work_args, strides, IS_VARLEN: gl.constexpr):
         """Issue every TMA copy: per work item the two halves of K and V, then per step Q and dO of ``GROUP``
         list entries (a step's missing entries repeat the last one; the consumers mask them)."""
-        (num_work, num_seqs, num_kv_heads, cu_seqlens_k, seqlen_k, unit_lists, unit_bits, unit_counts,
+        (num_work, num_k_tiles, num_kv_heads, cu_seqlens_k, seqlen_k, unit_lists, unit_bits, unit_counts,
          stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, q_heads_per_kv) = work_args
         (stride_qb, stride_qh, stride_qt, stride_gb, stride_gh, stride_gt, stride_kb, stride_kh, stride_kt,
          stride_vb, stride_vh, stride_vt) = strides
@@ -89,7 +86,7 @@ if AVAILABLE:
         iteration = 0
         for work in range(gl.program_id(0), num_work, gl.num_programs(0)):
             seq, kv_head, tile, k_start, seqlen_k_seq, has_keys = _key_tile(
-                work, num_seqs, num_kv_heads, cu_seqlens_k, seqlen_k, 2 * ROWS, IS_VARLEN)
+                work, num_k_tiles, num_kv_heads, cu_seqlens_k, seqlen_k, 2 * ROWS, IS_VARLEN)
             k_offset = seq.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh
             v_offset = seq.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh
             k_row = (k_offset // stride_kt).to(gl.int32) + k_start + tile * 2 * ROWS
@@ -134,7 +131,7 @@ if AVAILABLE:
                            qdo_free, work_args, grad_args, qk_scale, scale, BLOCK_SIZE: gl.constexpr,
                            UNIT: gl.constexpr, IS_VARLEN: gl.constexpr):
         """Consumer ``consumer`` (0 or 1): keys ``consumer * ROWS ...`` of each work item's key tile."""
-        (num_work, num_seqs, num_kv_heads, cu_seqlens_k, seqlen_k, unit_lists, unit_bits, unit_counts,
+        (num_work, num_k_tiles, num_kv_heads, cu_seqlens_k, seqlen_k, unit_lists, unit_bits, unit_counts,
          stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, q_heads_per_kv) = work_args
         (lse, delta, dk, dv, stride_lb, stride_lh, stride_lt, stride_db, stride_dh, stride_dkb, stride_dkh,
          stride_dkt, stride_dvb, stride_dvh, stride_dvt) = grad_args
@@ -157,7 +154,7 @@ if AVAILABLE:
         iteration = 0
         for work in range(gl.program_id(0), num_work, gl.num_programs(0)):
             seq, kv_head, tile, k_start, seqlen_k_seq, has_keys = _key_tile(
-                work, num_seqs, num_kv_heads, cu_seqlens_k, seqlen_k, 2 * ROWS, IS_VARLEN)
+                work, num_k_tiles, num_kv_heads, cu_seqlens_k, seqlen_k, 2 * ROWS, IS_VARLEN)
             tile_first = tile * 2 * ROWS
             k_pos = tile_first + consumer * ROWS + gl.arange(0, ROWS, layout=keys_s)  # [ROWS] positions
             block_in_tile = k_pos // BLOCK_SIZE - tile_first // BLOCK_SIZE  # bit index of each key's block
@@ -233,12 +230,12 @@ if AVAILABLE:
         stride_qb, stride_qh, stride_qt, stride_gb, stride_gh, stride_gt, stride_kb, stride_kh, stride_kt,
         stride_vb, stride_vh, stride_vt, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
         stride_lb, stride_lh, stride_lt, stride_db, stride_dh, stride_up, stride_ut, stride_cp, stride_ct,
-        seqlen_k, qk_scale, scale, q_heads_per_pattern, q_heads_per_kv, num_seqs, num_kv_heads, num_work,
+        seqlen_k, qk_scale, scale, q_heads_per_pattern, q_heads_per_kv, num_k_tiles, num_kv_heads, num_work,
         BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, IS_VARLEN: gl.constexpr, NUM_BUFFERS: gl.constexpr,
         CONSUMER_REGISTERS: gl.constexpr, LOADER_REGISTERS: gl.constexpr,
     ):
-        """Persistent: program ``p`` runs work items ``p, p + P, ...`` of ``num_work = num_k_tiles * Hkv * num_seqs``
-        (``_key_tile``). ``qk_scale = scale * log2(e)``; launched with 4 warps (consumer 0) plus the two worker
+        """Persistent: program ``p`` runs work items ``p, p + P, ...`` of ``num_work = num_k_tiles * Hkv * (B or
+        S)`` (``_key_tile``). ``qk_scale = scale * log2(e)``; launched with 4 warps (consumer 0) plus the two worker
         partitions."""
         ROWS: gl.constexpr = k_desc.block_type.shape[0]
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
@@ -257,7 +254,7 @@ if AVAILABLE:
             mbarrier.init(qdo_ready.index(slot), count=1)
             mbarrier.init(qdo_free.index(slot), count=2)  # both consumers release a slot
 
-        work_args = (num_work, num_seqs, num_kv_heads, cu_seqlens_k, seqlen_k, unit_lists, unit_bits,
+        work_args = (num_work, num_k_tiles, num_kv_heads, cu_seqlens_k, seqlen_k, unit_lists, unit_bits,
                      unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern,
                      q_heads_per_kv)
         grad_args = (lse, delta, dk, dv, stride_lb, stride_lh, stride_lt, stride_db, stride_dh, stride_dkb,
@@ -311,7 +308,7 @@ def launch_dkdv(q, dout, k, v, lse, delta, dk, dv, row_views, lists, problem, sc
         *problem.strides(dk)[:3], *problem.strides(dv)[:3], *problem.strides(lse), *delta_strides,
         *units.stride()[:2], *counts.stride()[:2],
         k.shape[2], qk_scale, scale, q.shape[1] // num_pattern_heads, q.shape[1] // num_kv_heads,
-        problem.num_seqs, num_kv_heads, num_work,
+        num_k_tiles, num_kv_heads, num_work,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, IS_VARLEN=problem.is_varlen, NUM_BUFFERS=num_buffers,
         CONSUMER_REGISTERS=CONSUMER_REGISTERS, LOADER_REGISTERS=LOADER_REGISTERS, num_warps=4, maxnreg=MAXNREG,
     )

@@ -31,6 +31,7 @@ import functools
 
 import torch
 
+from .sequence_bounds import sequence_bounds
 from .triton_setup import triton  # noqa: F401 (a clear error where Triton is missing)
 
 try:  # Gluon is experimental: its absence (or a changed API) only removes this kernel from the candidates
@@ -64,14 +65,8 @@ if AVAILABLE:
         tile_rank = work % num_q_tiles
         q_head = (work // num_q_tiles) % num_q_heads
         seq = work // (num_q_tiles * num_q_heads)
-        if IS_VARLEN:
-            q_start = gl.load(cu_seqlens_q + seq)
-            k_start = gl.load(cu_seqlens_k + seq)
-            seqlen_q = gl.load(cu_seqlens_q + seq + 1) - q_start
-            seqlen_k = gl.load(cu_seqlens_k + seq + 1) - k_start
-        else:
-            q_start = 0
-            k_start = 0
+        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(cu_seqlens_q, cu_seqlens_k, seq, seqlen_q, seqlen_k,
+                                                               IS_VARLEN)
         first_pos = seqlen_k - seqlen_q  # bottom-right alignment: absolute position of query row 0
         tile = first_pos // TILE + num_q_tiles - 1 - tile_rank
         pattern_head = q_head // q_heads_per_pattern

@@ -39,6 +39,7 @@ import torch
 
 from . import hopper_bwd, hopper_fwd
 from .layouts import BlockLayout, Varlen
+from .sequence_bounds import sequence_bounds
 from .triton_setup import TensorDescriptor, tl, triton
 
 LOG2E = math.log2(math.e)
@@ -47,20 +48,6 @@ LOG2E = math.log2(math.e)
 
 
 # ============================================================================================== kernels
-@triton.jit
-def _sequence_bounds(cu_seqlens_q, cu_seqlens_k, seq, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
-    """First q row, first k row, query length and key length of sequence (or batch row) ``seq``."""
-    if IS_VARLEN:
-        q_start = tl.load(cu_seqlens_q + seq)
-        k_start = tl.load(cu_seqlens_k + seq)
-        seqlen_q = tl.load(cu_seqlens_q + seq + 1) - q_start
-        seqlen_k = tl.load(cu_seqlens_k + seq + 1) - k_start
-    else:
-        q_start = 0
-        k_start = 0
-    return q_start, k_start, seqlen_q, seqlen_k
-
-
 @triton.jit
 def _gather_positions(list_base, entry, num_entries, BLOCK: tl.constexpr, UNIT: tl.constexpr):
     """Absolute positions ``[BLOCK]`` of the ``BLOCK // UNIT`` list entries from ``entry`` on, and which are listed.
@@ -220,7 +207,7 @@ def s2_attention_fwd_kernel(
     """
     q_head = tl.program_id(1)
     seq = tl.program_id(2)
-    q_start, k_start, seqlen_q, seqlen_k = _sequence_bounds(
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
         cu_seqlens_q, cu_seqlens_k, seq, seqlen_q, seqlen_k, IS_VARLEN
     )
     first_pos = seqlen_k - seqlen_q  # bottom-right alignment: absolute position of query row 0
@@ -360,7 +347,7 @@ def s2_attention_bwd_dq_kernel(
     """Grid ``(num_q_tiles, Hq, B or S)``: dq of one query tile over its kept keys (same lists as the forward)."""
     q_head = tl.program_id(1)
     seq = tl.program_id(2)
-    q_start, k_start, seqlen_q, seqlen_k = _sequence_bounds(
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
         cu_seqlens_q, cu_seqlens_k, seq, seqlen_q, seqlen_k, IS_VARLEN
     )
     first_pos = seqlen_k - seqlen_q
@@ -481,7 +468,7 @@ def s2_attention_bwd_dkdv_kernel(
     kv_head = tl.program_id(1) // GROUP_SPLIT
     split = tl.program_id(1) % GROUP_SPLIT
     seq = tl.program_id(2)
-    q_start, k_start, seqlen_q, seqlen_k = _sequence_bounds(
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
         cu_seqlens_q, cu_seqlens_k, seq, seqlen_q, seqlen_k, IS_VARLEN
     )
     if tile * BLOCK_N >= seqlen_k:
@@ -938,8 +925,8 @@ def s2_attention_bwd(
                                    config.num_stages)
             return
         split = config.group_split
-        dk_out, dv_out = dk, dv
-        if split > 1:  # float32 partial sums [split, *k.shape], added up below
+        dk_out, dv_out = dk[None], dv[None]  # [split, *k.shape]: float32 partial sums when split, added up below
+        if split > 1:
             dk_out, dv_out = (torch.empty(split, *k.shape, dtype=torch.float32, device=k.device) for _ in "kv")
         grid = (triton.cdiv(problem.max_seqlen_k, config.block_n), split * num_kv_heads, problem.num_seqs)
         q_desc, do_desc = _row_descriptors(
@@ -948,10 +935,8 @@ def s2_attention_bwd(
         s2_attention_bwd_dkdv_kernel[grid](
             q, k, v, dout, lse, delta, dk_out, dv_out, q_desc, do_desc, units, bits, counts, problem.cu_seqlens_q,
             problem.cu_seqlens_k,
-            *shared_args, *problem.strides(dk_out[0] if split > 1 else dk),
-            *problem.strides(dv_out[0] if split > 1 else dv), *problem.strides(lse),
-            *units.stride()[:2], *counts.stride()[:2], *tail_args,
-            dk_out.stride(0) if split > 1 else 0,  # the same for dv_out
+            *shared_args, *problem.strides(dk_out[0]), *problem.strides(dv_out[0]), *problem.strides(lse),
+            *units.stride()[:2], *counts.stride()[:2], *tail_args, dk_out.stride(0),  # dv_out's is the same
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, UNIT=min(layout.block_size, config.block_m),
             TMA=q_desc is not None, MASKED_STAGES=_MASKED_LOOP_STAGES, num_warps=config.num_warps,
             num_stages=config.num_stages, GROUP_SPLIT=split, **constexprs,
