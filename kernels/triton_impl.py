@@ -4,9 +4,8 @@ Entry points: the launchers ``s2_attention_fwd`` and ``s2_attention_bwd``, per t
 ``interface.py``. Call chain: ``s2_attention_fwd_kernel`` -> ``s2_attention_fwd`` -> the custom op ``s2::attention``
 (``interface.attention_op``, whose registered autograd calls ``s2::attention_backward``) -> ``s2_attention``;
 backward: ``s2_attention_bwd_preprocess_kernel`` (delta), ``s2_attention_bwd_dq_kernel`` and
-``s2_attention_bwd_dkdv_kernel`` -> ``s2_attention_bwd``. On compute capability 9.0 the tuners also time the
-warp-specialized Gluon forward (``hopper_fwd.py``) and dk/dv kernel (``hopper_bwd.py``; ``TileConfig.warp_specialized``)
-and run them where they win.
+``s2_attention_bwd_dkdv_kernel`` -> ``s2_attention_bwd``. On compute capability 9.0 the forward's tuner also times
+the warp-specialized Gluon forward (``hopper_fwd.py``, ``TileConfig.warp_specialized``) and runs it where it wins.
 
 Kernel tiles are decoupled from the sparsity granularity ``block_size``:
 
@@ -37,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import hopper_bwd, hopper_fwd
+from . import hopper_fwd
 from .layouts import BlockLayout, Varlen
 from .sequence_bounds import sequence_bounds
 from .triton_setup import TensorDescriptor, tl, triton
@@ -620,8 +619,7 @@ class TileConfig:
     block_n: int  # key positions per tile (gathered in fwd/dq, resident in dk/dv)
     num_warps: int
     num_stages: int  # software-pipelining depth; for the warp-specialized forward: its ring of K/V buffers
-    # The Gluon kernels for Hopper (hopper_fwd.py: block_m must be its BLOCK_M; hopper_bwd.py: block_n its BLOCK_N).
-    warp_specialized: bool = False
+    warp_specialized: bool = False  # the Gluon forward for Hopper (hopper_fwd.py); block_m must be its BLOCK_M
     group_split: int = 1  # dk/dv: programs sharing a GQA group's query heads (s2_attention_bwd_dkdv_kernel)
 
 
@@ -658,11 +656,6 @@ def _configs(*tiles: tuple[int, int, int]) -> list[TileConfig]:
 # last in each list, so that S2_ATTENTION_AUTOTUNE=0 keeps the Triton forward. 128-key steps were slower at every
 # shape measured (ptxas spills at D = 128; bench/NOTES.md).
 _WARP_SPECIALIZED_FWD = [TileConfig(hopper_fwd.BLOCK_M, 64, 4, 3, True)]
-# The warp-specialized dk/dv kernel (hopper_bwd.py): 128-key tiles; 64- or 32-query steps in a ring of Q/dO buffers.
-_WARP_SPECIALIZED_DKDV = {
-    "small": [TileConfig(64, hopper_bwd.BLOCK_N, 4, 3, True)],
-    "medium": [TileConfig(64, hopper_bwd.BLOCK_N, 4, 2, True), TileConfig(32, hopper_bwd.BLOCK_N, 4, 3, True)],
-}
 # dk/dv with a GQA group's query heads shared out among 2 or 4 programs (s2_attention_bwd_dkdv_kernel), where the group
 # size allows: shortens the longest lists, those of early vertical blocks, at the cost of float32 partial sums.
 _GROUP_SPLIT_DKDV = [TileConfig(64, 64, 4, 2, group_split=split) for split in (2, 4)]
@@ -673,10 +666,8 @@ _CANDIDATES = {
     ("dq", "small"): _configs((128, 64, 8), (64, 64, 4), (128, 128, 8)),
     ("dq", "medium"): _configs((128, 64, 8), (64, 64, 4), (128, 32, 8), (64, 32, 4)),
     ("dq", "large"): _configs((64, 32, 4), (64, 64, 8), (32, 64, 4)),
-    ("dkdv", "small"): (_configs((64, 128, 8), (64, 64, 4), (32, 128, 4)) + _GROUP_SPLIT_DKDV
-                        + _WARP_SPECIALIZED_DKDV["small"]),
-    ("dkdv", "medium"): (_configs((64, 128, 8), (32, 128, 8), (64, 64, 4), (32, 64, 4)) + _GROUP_SPLIT_DKDV
-                         + _WARP_SPECIALIZED_DKDV["medium"]),
+    ("dkdv", "small"): _configs((64, 128, 8), (64, 64, 4), (32, 128, 4)) + _GROUP_SPLIT_DKDV,
+    ("dkdv", "medium"): _configs((64, 128, 8), (32, 128, 8), (64, 64, 4), (32, 64, 4)) + _GROUP_SPLIT_DKDV,
     ("dkdv", "large"): _configs((32, 64, 4), (16, 64, 4), (32, 32, 4), (64, 64, 8)),
 }
 
@@ -909,21 +900,12 @@ def s2_attention_bwd(
     # unit starts before a sequence's first query. Rows past a sequence's end (in its last unit) read the next rows
     # of the tensor, or zeros past it, and their lse (+inf) gives them p = 0.
     same_tokens = varlen.equal_lengths if varlen is not None else seqlen_q == k.shape[2]
-    dkdv_row_views = (_row_view(q), _row_view(dout), _row_view(k), _row_view(v))
-    warp_specialized_ok = (hopper_bwd.supported(q, k, layout.causal, layout.block_size, same_tokens)
-                           and None not in dkdv_row_views)
 
-    def usable_dkdv(config: TileConfig) -> bool:
-        split_ok = config.group_split == 1 or (num_q_heads // num_kv_heads) % config.group_split == 0
-        return split_ok and (not config.warp_specialized or warp_specialized_ok)
+    def usable_dkdv(config: TileConfig) -> bool:  # (the group size is part of the tune key)
+        return (num_q_heads // num_kv_heads) % config.group_split == 0
 
     def launch_dkdv(config: TileConfig):
         units, bits, counts = _unit_lists(layout, config.block_n, config.block_m, resident_is_query=False)
-        if config.warp_specialized:
-            hopper_bwd.launch_dkdv(q, dout, k, v, lse, delta, dk, dv, dkdv_row_views, (units, bits, counts), problem,
-                                   scale, scale * LOG2E, layout.block_size, config.block_m, layout.num_pattern_heads,
-                                   config.num_stages)
-            return
         split = config.group_split
         dk_out, dv_out = dk[None], dv[None]  # [split, *k.shape]: float32 partial sums when split, added up below
         if split > 1:
@@ -946,6 +928,5 @@ def s2_attention_bwd(
             dv.copy_(dv_out.sum(0))
 
     launch_dq(_pick_config("dq", problem.tune_key, head_dim, q.device, launch_dq))
-    launch_dkdv(_pick_config("dkdv", (*problem.tune_key, warp_specialized_ok), head_dim, q.device, launch_dkdv,
-                             usable_dkdv))
+    launch_dkdv(_pick_config("dkdv", problem.tune_key, head_dim, q.device, launch_dkdv, usable_dkdv))
     return dq, dk, dv

@@ -323,7 +323,7 @@ def test_gpu_every_candidate_config(monkeypatch, kind, size, config):
     monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})
     head_dim = {"small": 64, "medium": 128, "large": 256}[size]
     if config.warp_specialized and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the warp-specialized kernels are for compute capability 9.0")
+        pytest.skip("the warp-specialized forward is for compute capability 9.0")
     pattern = S2Pattern(block_size=32, local_blocks=3, vert_stride=4)
     check_against_reference(400, (1, 8, 2, 1111, 1111, head_dim), torch.bfloat16, pattern)  # GQA groups of 4
 
@@ -386,52 +386,39 @@ def test_gpu_warp_specialized_forward_varlen(monkeypatch):
     _assert_close("lse", lse, exact_lse, low_lse, 2, ABS_FLOOR[torch.bfloat16])
 
 
-WARP_SPECIALIZED_DKDV_CASES = [
-    # (batch, Hq, Hkv, T, T, D), pattern fields, memory layout: queries and keys are the same tokens (training)
+GROUP_SPLIT_CASES = [
+    # (batch, Hq, Hkv, T, T, D), pattern fields, memory layout: GQA groups of 2 or 4
     ((2, 4, 2, 1111, 1111, 128), dict(block_size=64, local_blocks=3, vert_stride=4), "bhtd"),
     ((1, 8, 2, 3001, 3001, 64), dict(block_size=128, local_blocks=2, vert_stride=3), "bhtd"),
     ((2, 8, 2, 1500, 1500, 128), dict(block_size=64, local_blocks=4, vert_stride=8, per_query_head=True), "bthd"),
     ((1, 4, 1, 257, 257, 64), dict(block_size=128, local_blocks=1, vert_stride=2, num_dense_heads=1), "bthd"),
     ((1, 4, 2, 2001, 2001, 128), dict(block_size=32, local_blocks=5, vert_stride=7), "bhtd"),
-    ((1, 2, 2, 4097, 4097, 64), dict(block_size=64, local_blocks=2, vert_stride=16), "bhtd"),
 ]
-
-
-def _force_warp_specialized_dkdv(monkeypatch, size, config):
-    """Make ``config`` the only dk/dv candidate; returns a list that records each launch of the Gluon kernel."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the warp-specialized dk/dv kernel is for compute capability 9.0")
-    monkeypatch.setitem(triton_impl._CANDIDATES, ("dkdv", size), [config])
-    monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})
-    launches = []
-    launch = triton_impl.hopper_bwd.launch_dkdv
-    monkeypatch.setattr(triton_impl.hopper_bwd, "launch_dkdv", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
-    return launches
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", range(len(WARP_SPECIALIZED_DKDV_CASES)))
-def test_gpu_warp_specialized_dkdv(monkeypatch, case, dtype):
-    """The Gluon dk/dv kernel (hopper_bwd.py), each of its tiles, against the float64 reference: odd lengths, GQA
-    (dK/dV reduced over the group), one pattern per query head, dense heads, the [B, T, H, D] projection output behind
-    a transpose, steps of one list entry or gathered from two (block 32); it must really run."""
-    shape, fields, memory = WARP_SPECIALIZED_DKDV_CASES[case]
+@pytest.mark.parametrize("case", range(len(GROUP_SPLIT_CASES)))
+def test_gpu_dkdv_group_split(monkeypatch, case, dtype):
+    """dK/dV with a GQA group's query heads shared out among programs, each split that divides the group, against
+    the float64 reference: odd lengths, one pattern per query head, dense heads, the [B, T, H, D] projection output
+    behind a transpose, blocks 32/64/128 (TMA and gathered query units)."""
+    shape, fields, memory = GROUP_SPLIT_CASES[case]
     size = "small" if shape[-1] <= 64 else "medium"
-    for config in triton_impl._WARP_SPECIALIZED_DKDV[size]:
-        launches = _force_warp_specialized_dkdv(monkeypatch, size, config)
+    splits = [c for c in triton_impl._GROUP_SPLIT_DKDV if (shape[1] // shape[2]) % c.group_split == 0]
+    assert splits
+    for config in splits:
+        monkeypatch.setitem(triton_impl._CANDIDATES, ("dkdv", size), [config])  # the only usable candidate
         check_against_reference(520 + case, shape, dtype, S2Pattern(**fields), memory=memory)
-        assert launches, f"the warp-specialized dk/dv kernel did not run ({config})"
 
 
 @pytest.mark.gpu
-def test_gpu_warp_specialized_dkdv_varlen(monkeypatch):
-    """Packed sequences (an empty one, one shorter than a tile, ends inside a query unit) through the Gluon dk/dv."""
+def test_gpu_dkdv_group_split_varlen(monkeypatch):
+    """Packed sequences (an empty one, one shorter than a tile, ends inside a query unit) with split groups."""
     lens = [1000, 0, 1, 2047, 700]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    for config in triton_impl._WARP_SPECIALIZED_DKDV["medium"]:
-        launches = _force_warp_specialized_dkdv(monkeypatch, "medium", config)
+    for config in triton_impl._GROUP_SPLIT_DKDV:
+        monkeypatch.setitem(triton_impl._CANDIDATES, ("dkdv", "medium"), [config])
         pattern = S2Pattern(block_size=64, local_blocks=4, vert_stride=8)
         check_against_reference(530, (1, 8, 2, sum(lens), sum(lens), 128), torch.bfloat16, pattern,
                                 cu_seqlens_q=cu, cu_seqlens_k=cu)
-        assert launches, f"the warp-specialized dk/dv kernel did not run ({config})"
