@@ -386,14 +386,8 @@ def test_gpu_warp_specialized_forward_varlen(monkeypatch):
     _assert_close("lse", lse, exact_lse, low_lse, 2, ABS_FLOOR[torch.bfloat16])
 
 
-GROUP_SPLIT_CASES = [
-    # (batch, Hq, Hkv, T, T, D), pattern fields, memory layout: GQA groups of 2 or 4
-    ((2, 4, 2, 1111, 1111, 128), dict(block_size=64, local_blocks=3, vert_stride=4), "bhtd"),
-    ((1, 8, 2, 3001, 3001, 64), dict(block_size=128, local_blocks=2, vert_stride=3), "bhtd"),
-    ((2, 8, 2, 1500, 1500, 128), dict(block_size=64, local_blocks=4, vert_stride=8, per_query_head=True), "bthd"),
-    ((1, 4, 1, 257, 257, 64), dict(block_size=128, local_blocks=1, vert_stride=2, num_dense_heads=1), "bthd"),
-    ((1, 4, 2, 2001, 2001, 128), dict(block_size=32, local_blocks=5, vert_stride=7), "bhtd"),
-]
+# The Gluon forward's cases with GQA groups (of 2 or 4) and queries that are the keys' tokens (training).
+GROUP_SPLIT_CASES = [case for case in WARP_SPECIALIZED_CASES if case[0][3] == case[0][4] and case[0][1] > case[0][2]]
 
 
 @pytest.mark.gpu
@@ -406,7 +400,7 @@ def test_gpu_dkdv_group_split(monkeypatch, case, dtype):
     shape, fields, memory = GROUP_SPLIT_CASES[case]
     size = "small" if shape[-1] <= 64 else "medium"
     splits = [c for c in triton_impl._GROUP_SPLIT_DKDV if (shape[1] // shape[2]) % c.group_split == 0]
-    assert splits
+    assert len(GROUP_SPLIT_CASES) == 5 and splits
     for config in splits:
         monkeypatch.setitem(triton_impl._CANDIDATES, ("dkdv", size), [config])  # the only usable candidate
         check_against_reference(520 + case, shape, dtype, S2Pattern(**fields), memory=memory)
