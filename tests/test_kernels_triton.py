@@ -251,20 +251,27 @@ def test_dkdv_group_split_matches_reference(monkeypatch, group_split, dtype):
     check_against_reference(150 + group_split, (2, 8, 2, 151, 151, 32), dtype, pattern)
 
 
-def test_unit_lists_cover_exactly_the_kept_units():
-    """Full entries are kept by every block of the tile and need no causal mask; full + partial = the kept set."""
+@pytest.mark.parametrize("resident_is_query", [True, False], ids=["query-tiles", "key-tiles"])
+def test_unit_lists_cover_exactly_the_kept_units(resident_is_query):
+    """Full entries are kept by every block of the tile and need no causal mask; full + partial = the kept set. The
+    full entries run ascending for query tiles, descending for key tiles (dk/dv walks from the sequence's end)."""
     pattern = S2Pattern(block_size=16, local_blocks=3, vert_stride=5)
     mask = pattern.block_mask(3, 20, 20)
-    units, _, counts = triton_impl.build_unit_lists(mask, 16, True, tile=64, unit=16, group=2, resident_is_query=True)
+    units, _, counts = triton_impl.build_unit_lists(mask, 16, True, tile=64, unit=16, group=2,
+                                                    resident_is_query=resident_is_query)
+    resident_mask = mask if resident_is_query else mask.transpose(1, 2)
     for head in range(3):
         for tile in range(units.shape[1]):
             num_full, num_total = counts[head, tile].tolist()
             assert num_full % 2 == 0
             listed = units[head, tile, :num_total].tolist()
-            rows = mask[head, tile * 4 : tile * 4 + 4]
+            rows = resident_mask[head, tile * 4 : tile * 4 + 4]
             assert sorted(listed) == rows.any(0).nonzero().flatten().tolist()
             for unit in listed[:num_full]:
-                assert rows[:, unit].all() and unit < tile * 4
+                assert rows[:, unit].all()
+                assert unit < tile * 4 if resident_is_query else unit >= tile * 4 + 4
+            full = listed[:num_full]
+            assert full == sorted(full, reverse=not resident_is_query)
 
 
 # ---------------------------------------------------------------------------------------------- GPU
