@@ -447,8 +447,14 @@ def main(argv=None, callbacks=None):
 
 
 def cli() -> None:
-    """The ``s2-train`` command."""
-    main(sys.argv[1:])
+    """The ``s2-train`` command. Launched by torchrun or accelerate, the process owns its process group and tears it
+    down before exiting: a gloo group left to the interpreter's shutdown can abort the process (SIGABRT, "terminate
+    called without an active exception"; pytorch/pytorch#190489), after training succeeded."""
+    try:
+        main(sys.argv[1:])
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
