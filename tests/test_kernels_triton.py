@@ -410,6 +410,7 @@ def test_gpu_dkdv_group_split(monkeypatch, case, dtype):
     assert len(GROUP_SPLIT_CASES) == 5 and splits
     for config in splits:
         monkeypatch.setitem(triton_impl._CANDIDATES, ("dkdv", size), [config])  # the only usable candidate
+        monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})  # (with tuning on, no earlier pick is reused)
         check_against_reference(520 + case, shape, dtype, S2Pattern(**fields), memory=memory)
 
 
@@ -420,6 +421,7 @@ def test_gpu_dkdv_group_split_varlen(monkeypatch):
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     for config in triton_impl._GROUP_SPLIT_DKDV:
         monkeypatch.setitem(triton_impl._CANDIDATES, ("dkdv", "medium"), [config])
+        monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})
         pattern = S2Pattern(block_size=64, local_blocks=4, vert_stride=8)
         check_against_reference(530, (1, 8, 2, sum(lens), sum(lens), 128), torch.bfloat16, pattern,
                                 cu_seqlens_q=cu, cu_seqlens_k=cu)
