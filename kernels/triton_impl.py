@@ -259,14 +259,19 @@ def s2_attention_fwd_kernel(
 
 @triton.jit
 def s2_attention_bwd_preprocess_kernel(
-    out, dout, dlse, delta,  # [B, H, T, D] x2, [B, H, T] float32 (read only when HAS_DLSE), [B, H, T] float32 out
+    out, dout, lse, dlse,  # [B, H, T, D] x2, [B, H, T] float32 x2 (dlse read only when HAS_DLSE); any strides
+    lse_log2, delta,  # outputs: float32 [B, H, T] contiguous
     stride_ob, stride_oh, stride_ot, stride_od,
     stride_gb, stride_gh, stride_gt, stride_gd,
     stride_lb, stride_lh, stride_lt,
+    stride_eb, stride_eh, stride_et,  # dlse
     seqlen, num_heads,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
-    """``delta = rowsum(dO * O) - dlse`` (the lse gradient enters the softmax backward exactly like -delta)."""
+    """The per-row softmax statistics the dq and dk/dv kernels read: ``lse_log2`` (lse in log2 units, ``+inf`` for
+    rows that see no key, so that ``exp2(s - lse_log2) = 0`` there) and ``delta = rowsum(dO * O) - dlse`` (the lse
+    gradient enters the softmax backward exactly like -delta). Both contiguous: a full query unit's statistics are
+    one run of rows."""
     head = tl.program_id(1)
     batch = tl.program_id(2)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -277,17 +282,20 @@ def s2_attention_bwd_preprocess_kernel(
     do = _load_rows(dout_head, rows, row_ok, stride_gt, stride_gd, HEAD_DIM, BLOCK_D)
     row_delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     if HAS_DLSE:
-        dlse_head = dlse + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
-        row_delta -= tl.load(dlse_head + rows.to(tl.int64) * stride_lt, mask=row_ok, other=0.0)
-    # delta is allocated contiguous [B, H, T].
-    tl.store(delta + (batch.to(tl.int64) * num_heads + head) * seqlen + rows, row_delta, mask=row_ok)
+        dlse_head = dlse + batch.to(tl.int64) * stride_eb + head.to(tl.int64) * stride_eh
+        row_delta -= tl.load(dlse_head + rows.to(tl.int64) * stride_et, mask=row_ok, other=0.0)
+    lse_head = lse + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
+    row_lse = tl.load(lse_head + rows.to(tl.int64) * stride_lt, mask=row_ok, other=0.0)
+    row_lse = tl.where(row_lse == -float("inf"), float("inf"), row_lse * 1.4426950408889634)
+    stats_rows = (batch.to(tl.int64) * num_heads + head) * seqlen + rows
+    tl.store(delta + stats_rows, row_delta, mask=row_ok)
+    tl.store(lse_log2 + stats_rows, row_lse, mask=row_ok)
 
 
 @triton.jit
-def _load_softmax_stats(lse_head, delta_head, rows, row_ok, stride_lt):
+def _load_softmax_stats(lse_head, delta_head, rows, row_ok):
     """Per query row: lse in log2 units (``+inf`` for rows that are not real or see no key, so p = 0) and delta."""
-    lse_row = tl.load(lse_head + rows.to(tl.int64) * stride_lt, mask=row_ok, other=float("inf"))
-    lse_row = tl.where(lse_row == -float("inf"), float("inf"), lse_row) * 1.4426950408889634
+    lse_row = tl.load(lse_head + rows, mask=row_ok, other=float("inf"))
     delta_row = tl.load(delta_head + rows, mask=row_ok, other=0.0)
     return lse_row, delta_row
 
@@ -328,7 +336,7 @@ def _bwd_dq_step(
 
 @triton.jit
 def s2_attention_bwd_dq_kernel(
-    q, k, v, dout, lse, delta, dq,  # q/dout/dq [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], lse [B, Hq, Tq], delta contiguous
+    q, k, v, dout, lse_log2, delta, dq,  # q/dout/dq [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], lse_log2/delta [B, Hq, Tq]
     k_desc, v_desc,  # as in s2_attention_fwd_kernel
     unit_lists, unit_bits, unit_counts, cu_seqlens_q, cu_seqlens_k,  # as in s2_attention_fwd_kernel
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -336,9 +344,8 @@ def s2_attention_bwd_dq_kernel(
     stride_vb, stride_vh, stride_vt, stride_vd,
     stride_gb, stride_gh, stride_gt, stride_gd,  # dout
     stride_dqb, stride_dqh, stride_dqt, stride_dqd,
-    stride_lb, stride_lh, stride_lt,
     stride_up, stride_ut, stride_cp, stride_ct,
-    seqlen_q, seqlen_k, stride_db, stride_dh, scale, qk_scale, q_heads_per_pattern, q_heads_per_kv,
+    seqlen_q, seqlen_k, stride_sb, stride_sh, scale, qk_scale, q_heads_per_pattern, q_heads_per_kv,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, UNIT: tl.constexpr, CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr,
     TMA: tl.constexpr, MASKED_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -363,10 +370,8 @@ def s2_attention_bwd_dq_kernel(
     do_head_base = dout + seq.to(tl.int64) * stride_gb + q_head.to(tl.int64) * stride_gh
     q_tile = _load_rows(q_head_base, rows, row_real, stride_qt, stride_qd, HEAD_DIM, BLOCK_D)  # [BLOCK_M, BLOCK_D]
     do_tile = _load_rows(do_head_base, rows, row_real, stride_gt, stride_gd, HEAD_DIM, BLOCK_D)
-    lse_row, delta_row = _load_softmax_stats(
-        lse + seq.to(tl.int64) * stride_lb + q_head.to(tl.int64) * stride_lh,
-        delta + seq.to(tl.int64) * stride_db + q_head.to(tl.int64) * stride_dh, rows, row_real, stride_lt,
-    )
+    stats_offset = seq.to(tl.int64) * stride_sb + q_head.to(tl.int64) * stride_sh
+    lse_row, delta_row = _load_softmax_stats(lse_log2 + stats_offset, delta + stats_offset, rows, row_real)
     k_head = k + seq.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_head = v + seq.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
     list_base, bits_base, num_full, num_entries = _tile_list(
@@ -400,25 +405,31 @@ def s2_attention_bwd_dq_kernel(
 def _bwd_dkdv_step(
     dk, dv, k_tile, v_tile, k_pos, block_in_tile, key_real, q_head_base, do_head_base, lse_head, delta_head,
     q_desc, do_desc, q_origin, do_origin, list_base, bits_base, entry, num_entries, q_start, first_pos, seqlen_k,
-    stride_qt, stride_qd, stride_gt, stride_gd, stride_lt, qk_scale,
+    stride_qt, stride_qd, stride_gt, stride_gd, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     UNIT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate dV and dK (unscaled) of the key tile against a gathered tile of ``BLOCK_M`` queries of one head.
 
-    With ``TMA`` (unmasked causal steps whose query tile is one contiguous unit) Q and dO come through ``q_desc`` /
-    ``do_desc`` as K and V do in ``_fwd_step``; every query of such a step is real (the tile is a full entry)."""
-    q_pos, listed = _gather_positions(list_base, entry, num_entries, BLOCK_M, UNIT)
-    row_real = listed & (q_pos >= first_pos) & (q_pos < seqlen_k)
-    rows = q_start + q_pos - first_pos
+    With ``TMA`` (unmasked causal steps whose query tile is one contiguous unit, queries and keys the same tokens) Q
+    and dO come through ``q_desc`` / ``do_desc`` as K and V do in ``_fwd_step``. Such a step's rows are one run,
+    all real except, in a sequence's last unit, those past its end (their statistics load as p = 0)."""
     if TMA:
-        first_row = q_start + tl.load(list_base + entry) * UNIT - first_pos
+        unit_start = tl.load(list_base + entry) * UNIT
+        first_row = q_start + unit_start - first_pos
         q_tile = q_desc.load([q_origin[0] + first_row, q_origin[1]])  # [BLOCK_M, BLOCK_D]
         do_tile = do_desc.load([do_origin[0] + first_row, do_origin[1]])
+        rows = first_row + tl.arange(0, BLOCK_M)
+        lse_row, delta_row = _load_softmax_stats(
+            lse_head, delta_head, rows, unit_start + tl.arange(0, BLOCK_M) < seqlen_k
+        )
     else:
+        q_pos, listed = _gather_positions(list_base, entry, num_entries, BLOCK_M, UNIT)
+        row_real = listed & (q_pos >= first_pos) & (q_pos < seqlen_k)
+        rows = q_start + q_pos - first_pos
         q_tile = _load_rows(q_head_base, rows, row_real, stride_qt, stride_qd, HEAD_DIM, BLOCK_D)  # [BLOCK_M, BLOCK_D]
         do_tile = _load_rows(do_head_base, rows, row_real, stride_gt, stride_gd, HEAD_DIM, BLOCK_D)
-    lse_row, delta_row = _load_softmax_stats(lse_head, delta_head, rows, row_real, stride_lt)
+        lse_row, delta_row = _load_softmax_stats(lse_head, delta_head, rows, row_real)
     s_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
     p_t = tl.math.exp2(s_t - lse_row[None, :])  # rows that are not real have lse = +inf: p = 0
     if MASKED:
@@ -436,7 +447,8 @@ def _bwd_dkdv_step(
 
 @triton.jit
 def s2_attention_bwd_dkdv_kernel(
-    q, k, v, dout, lse, delta, dk, dv,  # q/dout [B, Hq, Tq, D], k/v/dk/dv [B, Hkv, Tk, D], lse/delta [B, Hq, Tq]
+    q, k, v, dout, lse_log2, delta, dk, dv,  # q/dout [B, Hq, Tq, D], k/v/dk/dv [B, Hkv, Tk, D], lse_log2/delta
+    # [B, Hq, Tq] (s2_attention_bwd_preprocess_kernel)
     q_desc, do_desc,  # TMA descriptors of q and dout (_row_descriptor), None unless TMA
     unit_lists, unit_bits, unit_counts,  # int32 [P, num_k_tiles, L] query units reading each key tile, their keep
     # bits; int32 [P, num_k_tiles, 2]
@@ -447,9 +459,8 @@ def s2_attention_bwd_dkdv_kernel(
     stride_gb, stride_gh, stride_gt, stride_gd,  # dout
     stride_dkb, stride_dkh, stride_dkt, stride_dkd,
     stride_dvb, stride_dvh, stride_dvt, stride_dvd,
-    stride_lb, stride_lh, stride_lt,
     stride_up, stride_ut, stride_cp, stride_ct,
-    seqlen_q, seqlen_k, stride_db, stride_dh, scale, qk_scale, q_heads_per_pattern, q_heads_per_kv,
+    seqlen_q, seqlen_k, stride_sb, stride_sh, scale, qk_scale, q_heads_per_pattern, q_heads_per_kv,
     stride_split,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, UNIT: tl.constexpr, CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -490,8 +501,9 @@ def s2_attention_bwd_dkdv_kernel(
         pattern_head = q_head // q_heads_per_pattern
         q_head_base = q + seq.to(tl.int64) * stride_qb + q_head.to(tl.int64) * stride_qh
         do_head_base = dout + seq.to(tl.int64) * stride_gb + q_head.to(tl.int64) * stride_gh
-        lse_head = lse + seq.to(tl.int64) * stride_lb + q_head.to(tl.int64) * stride_lh
-        delta_head = delta + seq.to(tl.int64) * stride_db + q_head.to(tl.int64) * stride_dh
+        stats_offset = seq.to(tl.int64) * stride_sb + q_head.to(tl.int64) * stride_sh
+        lse_head = lse_log2 + stats_offset
+        delta_head = delta + stats_offset
         list_base, bits_base, num_full, num_entries = _tile_list(
             unit_lists, unit_bits, unit_counts, pattern_head, tile, stride_up, stride_ut, stride_cp, stride_ct
         )
@@ -501,14 +513,14 @@ def s2_attention_bwd_dkdv_kernel(
             dk_acc, dv_acc = _bwd_dkdv_step(
                 dk_acc, dv_acc, k_tile, v_tile, k_pos, block_in_tile, key_real, q_head_base, do_head_base, lse_head,
                 delta_head, q_desc, do_desc, q_origin, do_origin, list_base, bits_base, entry, num_entries, q_start,
-                first_pos, seqlen_k, stride_qt, stride_qd, stride_gt, stride_gd, stride_lt, qk_scale,
+                first_pos, seqlen_k, stride_qt, stride_qd, stride_gt, stride_gd, qk_scale,
                 HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_M, UNIT, CAUSAL, False, TMA, DOT_PRECISION,
             )
         for entry in tl.range(num_full, num_entries, GROUP, num_stages=MASKED_STAGES):  # see _gather_positions
             dk_acc, dv_acc = _bwd_dkdv_step(
                 dk_acc, dv_acc, k_tile, v_tile, k_pos, block_in_tile, key_real, q_head_base, do_head_base, lse_head,
                 delta_head, q_desc, do_desc, q_origin, do_origin, list_base, bits_base, entry, num_entries, q_start,
-                first_pos, seqlen_k, stride_qt, stride_qd, stride_gt, stride_gd, stride_lt, qk_scale,
+                first_pos, seqlen_k, stride_qt, stride_qd, stride_gt, stride_gd, qk_scale,
                 HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_M, UNIT, CAUSAL, True, False, DOT_PRECISION,
             )
     dk_head = dk + split.to(tl.int64) * stride_split + seq.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
@@ -629,6 +641,7 @@ class TileConfig:
     num_stages: int  # software-pipelining depth; for the warp-specialized forward: its ring of K/V buffers
     warp_specialized: bool = False  # the Gluon forward for Hopper (hopper_fwd.py); block_m must be its BLOCK_M
     group_split: int = 1  # dk/dv: programs sharing a GQA group's query heads (s2_attention_bwd_dkdv_kernel)
+    max_registers: int | None = None  # per-thread register cap (ptxas maxnreg), so that more programs fit an SM
 
 
 # Used where nothing can be timed (TRITON_INTERPRET=1 / CPU tensors). Tests may swap in other tiles.
@@ -667,11 +680,17 @@ _WARP_SPECIALIZED_FWD = [TileConfig(hopper_fwd.BLOCK_M, 64, 4, 3, True)]
 # dk/dv with a GQA group's query heads shared out among 2 or 4 programs (s2_attention_bwd_dkdv_kernel), where the group
 # size allows: shortens the longest lists, those of early vertical blocks, at the cost of float32 partial sums.
 _GROUP_SPLIT_DKDV = [TileConfig(64, 64, 4, 2, group_split=split) for split in (2, 4)]
+# At D <= 64 the 4-warp forward and dq tiles need ~135 registers a thread, so 3 programs share an SM; capped at 128
+# (a few spills) 4 do, which hides more of each program's latency (softmax, loads) behind the others'. H100,
+# 2026-11-25 (bench/NOTES.md): 1.09-1.16x at 32k tokens, slower for the forward at 128k: so a candidate, not a rule.
+_REGISTER_CAPPED_SMALL = [TileConfig(64, 64, 4, 2, max_registers=128)]
 _CANDIDATES = {
-    ("fwd", "small"): _configs((128, 64, 4), (128, 128, 8), (64, 64, 4)) + _WARP_SPECIALIZED_FWD,
+    ("fwd", "small"): (
+        _configs((128, 64, 4), (128, 128, 8), (64, 64, 4)) + _REGISTER_CAPPED_SMALL + _WARP_SPECIALIZED_FWD
+    ),
     ("fwd", "medium"): _configs((128, 64, 8), (128, 64, 4), (128, 128, 8), (64, 64, 4)) + _WARP_SPECIALIZED_FWD,
     ("fwd", "large"): _configs((64, 64, 4), (128, 64, 8), (64, 32, 4), (128, 32, 8)),
-    ("dq", "small"): _configs((128, 64, 8), (64, 64, 4), (128, 128, 8)),
+    ("dq", "small"): _configs((128, 64, 8), (64, 64, 4), (128, 128, 8)) + _REGISTER_CAPPED_SMALL,
     ("dq", "medium"): _configs((128, 64, 8), (64, 64, 4), (128, 32, 8), (64, 32, 4)),
     ("dq", "large"): _configs((64, 32, 4), (64, 64, 8), (32, 64, 4)),
     ("dkdv", "small"): _configs((64, 128, 8), (64, 64, 4), (32, 128, 4)) + _GROUP_SPLIT_DKDV,
@@ -851,7 +870,7 @@ def s2_attention_fwd(
             seqlen_q, k.shape[2], scale * LOG2E, num_q_heads // layout.num_pattern_heads, num_q_heads // k.shape[1],
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, UNIT=min(layout.block_size, config.block_n),
             TMA=k_desc is not None, MASKED_STAGES=_MASKED_LOOP_STAGES, num_warps=config.num_warps,
-            num_stages=config.num_stages, **_common_constexprs(q, layout, problem),
+            num_stages=config.num_stages, maxnreg=config.max_registers, **_common_constexprs(q, layout, problem),
         )
 
     launch(_pick_config("fwd", (*problem.tune_key, warp_specialized_ok), head_dim, q.device, launch, usable))
@@ -876,18 +895,19 @@ def s2_attention_bwd(
     problem = _problem(q, k, layout, varlen)
     constexprs = _common_constexprs(q, layout, problem)
 
-    delta = torch.empty(batch, num_q_heads, seqlen_q, dtype=torch.float32, device=q.device)  # [B, Hq, Tq]
+    # [B, Hq, Tq] float32 each: the rows' lse in log2 units and delta (s2_attention_bwd_preprocess_kernel)
+    lse_log2, delta = (torch.empty(batch, num_q_heads, seqlen_q, dtype=torch.float32, device=q.device) for _ in "ld")
     preprocess_rows = 64
     s2_attention_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, preprocess_rows), num_q_heads, batch)](
-        out, dout, dlse if dlse is not None else lse, delta, *out.stride(), *dout.stride(),
+        out, dout, lse, dlse, lse_log2, delta, *out.stride(), *dout.stride(), *lse.stride(),
         *(dlse if dlse is not None else lse).stride(), seqlen_q, num_q_heads,
         HEAD_DIM=head_dim, BLOCK_D=constexprs["BLOCK_D"], BLOCK_T=preprocess_rows, HAS_DLSE=dlse is not None,
     )
-    delta_strides = (0 if problem.is_varlen else delta.stride(0), delta.stride(1))
+    stats_strides = (0 if problem.is_varlen else delta.stride(0), delta.stride(1))
     shared_args = (
         *problem.strides(q), *problem.strides(k), *problem.strides(v), *problem.strides(dout),
     )
-    tail_args = (seqlen_q, k.shape[2], *delta_strides, scale, scale * LOG2E,
+    tail_args = (seqlen_q, k.shape[2], *stats_strides, scale, scale * LOG2E,
                  num_q_heads // layout.num_pattern_heads, num_q_heads // num_kv_heads)
 
     def launch_dq(config: TileConfig):
@@ -895,13 +915,12 @@ def s2_attention_bwd(
         grid = (problem.num_q_tiles(config.block_m), num_q_heads, problem.num_seqs)
         k_desc, v_desc = _row_descriptors(_use_tma(layout, config.block_n, head_dim, q.device), config.block_n, k, v)
         s2_attention_bwd_dq_kernel[grid](
-            q, k, v, dout, lse, delta, dq, k_desc, v_desc, units, bits, counts, problem.cu_seqlens_q,
+            q, k, v, dout, lse_log2, delta, dq, k_desc, v_desc, units, bits, counts, problem.cu_seqlens_q,
             problem.cu_seqlens_k,
-            *shared_args, *problem.strides(dq), *problem.strides(lse),
-            *units.stride()[:2], *counts.stride()[:2], *tail_args,
+            *shared_args, *problem.strides(dq), *units.stride()[:2], *counts.stride()[:2], *tail_args,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, UNIT=min(layout.block_size, config.block_n),
             TMA=k_desc is not None, MASKED_STAGES=_MASKED_LOOP_STAGES, num_warps=config.num_warps,
-            num_stages=config.num_stages, **constexprs,
+            num_stages=config.num_stages, maxnreg=config.max_registers, **constexprs,
         )
 
     # TMA boxes are not masked: only where queries and keys are the same tokens (training), so that no full query
@@ -923,13 +942,13 @@ def s2_attention_bwd(
             same_tokens and _use_tma(layout, config.block_m, head_dim, q.device), config.block_m, q, dout
         )
         s2_attention_bwd_dkdv_kernel[grid](
-            q, k, v, dout, lse, delta, dk_out, dv_out, q_desc, do_desc, units, bits, counts, problem.cu_seqlens_q,
-            problem.cu_seqlens_k,
-            *shared_args, *problem.strides(dk_out[0]), *problem.strides(dv_out[0]), *problem.strides(lse),
+            q, k, v, dout, lse_log2, delta, dk_out, dv_out, q_desc, do_desc, units, bits, counts,
+            problem.cu_seqlens_q, problem.cu_seqlens_k,
+            *shared_args, *problem.strides(dk_out[0]), *problem.strides(dv_out[0]),
             *units.stride()[:2], *counts.stride()[:2], *tail_args, dk_out.stride(0),  # dv_out's is the same
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, UNIT=min(layout.block_size, config.block_m),
             TMA=q_desc is not None, MASKED_STAGES=_MASKED_LOOP_STAGES, num_warps=config.num_warps,
-            num_stages=config.num_stages, GROUP_SPLIT=split, **constexprs,
+            num_stages=config.num_stages, maxnreg=config.max_registers, GROUP_SPLIT=split, **constexprs,
         )
         if split > 1:
             dk.copy_(dk_out.sum(0))
