@@ -681,9 +681,12 @@ _WARP_SPECIALIZED_FWD = [TileConfig(hopper_fwd.BLOCK_M, 64, 4, 3, True)]
 # size allows: shortens the longest lists, those of early vertical blocks, at the cost of float32 partial sums.
 _GROUP_SPLIT_DKDV = [TileConfig(64, 64, 4, 2, group_split=split) for split in (2, 4)]
 # At D <= 64 the 4-warp forward and dq tiles need ~135 registers a thread, so 3 programs share an SM; capped at 128
-# (a few spills) 4 do, which hides more of each program's latency (softmax, loads) behind the others'. H100,
-# 2026-11-25 (bench/NOTES.md): 1.09-1.16x at 32k tokens, slower for the forward at 128k: so a candidate, not a rule.
+# (a few spills) 4 do, which hides more of each program's latency (softmax, loads) behind the others'. Likewise the
+# dk/dv tile: ~230-250 registers, 2 programs per SM; capped at 168 (~200 bytes of spills), 3. H100, 2026-11-25
+# (bench/NOTES.md): forward and dq 1.05-1.16x at most D=64 shapes, dk/dv 1.05x at two of four and slower at the
+# others: candidates, not rules.
 _REGISTER_CAPPED_SMALL = [TileConfig(64, 64, 4, 2, max_registers=128)]
+_REGISTER_CAPPED_DKDV_SMALL = [TileConfig(64, 64, 4, 2, group_split=split, max_registers=168) for split in (1, 4)]
 _CANDIDATES = {
     ("fwd", "small"): (
         _configs((128, 64, 4), (128, 128, 8), (64, 64, 4)) + _REGISTER_CAPPED_SMALL + _WARP_SPECIALIZED_FWD
@@ -693,7 +696,9 @@ _CANDIDATES = {
     ("dq", "small"): _configs((128, 64, 8), (64, 64, 4), (128, 128, 8)) + _REGISTER_CAPPED_SMALL,
     ("dq", "medium"): _configs((128, 64, 8), (64, 64, 4), (128, 32, 8), (64, 32, 4)),
     ("dq", "large"): _configs((64, 32, 4), (64, 64, 8), (32, 64, 4)),
-    ("dkdv", "small"): _configs((64, 128, 8), (64, 64, 4), (32, 128, 4)) + _GROUP_SPLIT_DKDV,
+    ("dkdv", "small"): (
+        _configs((64, 128, 8), (64, 64, 4), (32, 128, 4)) + _GROUP_SPLIT_DKDV + _REGISTER_CAPPED_DKDV_SMALL
+    ),
     ("dkdv", "medium"): _configs((64, 128, 8), (32, 128, 8), (64, 64, 4), (32, 64, 4)) + _GROUP_SPLIT_DKDV,
     ("dkdv", "large"): _configs((32, 64, 4), (16, 64, 4), (32, 32, 4), (64, 64, 8)),
 }
