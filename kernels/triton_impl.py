@@ -683,8 +683,8 @@ _GROUP_SPLIT_DKDV = [TileConfig(64, 64, 4, 2, group_split=split) for split in (2
 # At D <= 64 the 4-warp forward and dq tiles need ~135 registers a thread, so 3 programs share an SM; capped at 128
 # (a few spills) 4 do, which hides more of each program's latency (softmax, loads) behind the others'. Likewise the
 # dk/dv tile: ~230-250 registers, 2 programs per SM; capped at 168 (~200 bytes of spills), 3. H100, 2026-11-25
-# (bench/NOTES.md): forward and dq 1.05-1.16x at most D=64 shapes, dk/dv 1.05x at two of four and slower at the
-# others: candidates, not rules.
+# (bench/NOTES.md, tuner timings at four D=64 shapes): the capped forward 1.04-1.13x at all four, dq 1.03-1.14x at
+# three, dk/dv 1.05x at two and slower at the others: candidates, not rules.
 _REGISTER_CAPPED_SMALL = [TileConfig(64, 64, 4, 2, max_registers=128)]
 _REGISTER_CAPPED_DKDV_SMALL = [TileConfig(64, 64, 4, 2, group_split=split, max_registers=168) for split in (1, 4)]
 _CANDIDATES = {
