@@ -3,7 +3,7 @@
 Entry points: the launchers ``s2_attention_fwd`` and ``s2_attention_bwd``, per the backend contract in
 ``interface.py``. Call chain: ``s2_attention_fwd_kernel`` -> ``s2_attention_fwd`` -> the custom op ``s2::attention``
 (``interface.attention_op``, whose registered autograd calls ``s2::attention_backward``) -> ``s2_attention``;
-backward: ``s2_attention_bwd_preprocess_kernel`` (delta), ``s2_attention_bwd_dq_kernel`` and
+backward: ``s2_attention_bwd_preprocess_kernel`` (lse_log2, delta), ``s2_attention_bwd_dq_kernel`` and
 ``s2_attention_bwd_dkdv_kernel`` -> ``s2_attention_bwd``. On compute capability 9.0 the forward's tuner also times
 the warp-specialized Gluon forward (``hopper_fwd.py``, ``TileConfig.warp_specialized``) and runs it where it wins.
 
