@@ -102,7 +102,9 @@ class S2LlamaConfig(LlamaConfig):
         default ``S2Pattern()``.
     s2_backend (`str`, *optional*, defaults to `"auto"`):
         Backend of the sparse layers under ``attn_implementation="s2"``: ``"auto"`` (Triton on CUDA, the exact
-        PyTorch path elsewhere), ``"triton"`` or ``"torch"``.
+        PyTorch path elsewhere), ``"triton"`` or ``"torch"``. Where it runs Triton, every layer's RMSNorms, rotary
+        embedding and ``silu(gate) * up`` also run as one fused kernel each (the same function as Llama's, to
+        rounding); ``"torch"`` keeps transformers' Llama code for them.
     s2_rollback_tokens (`int`, *optional*, defaults to 64):
         How many of the newest tokens the compact KV cache of a sparse layer can drop again with ``crop`` (assisted
         and prompt-lookup decoding): eviction runs this many tokens behind, at a cost of ``cdiv(s2_rollback_tokens,

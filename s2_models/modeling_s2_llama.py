@@ -44,6 +44,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .cache_s2_llama import S2CacheLayer, s2_cache_layer, set_default_rollback
 from .configuration_s2_llama import DENSE, FULL_ATTENTION, S2_ATTENTION, S2LlamaConfig
+from .kernels.fused import MAX_NORM_WIDTH, rms_norm, rotary_embedding, rotary_embedding_fits, swiglu, use_fused_kernels
 from .kernels.interface import AUTOCAST_DEVICE_TYPES, dense_attention, s2_attention
 from .kernels.pattern import S2Pattern, token_mask
 from .static_cache_s2_llama import S2StaticCache
@@ -371,8 +372,8 @@ class S2LlamaAttention(nn.Module):
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        query_states, key_states = apply_rotary(query_states, key_states, *position_embeddings,
+                                                backend=self.config.s2_backend)
 
         # ---- compact S2 cache (cache_s2_llama.py): keep only the blocks a future query reads, attend over them
         cache_layer = s2_cache_layer(cache, self.layer_idx)
@@ -409,15 +410,46 @@ class S2LlamaAttention(nn.Module):
         return attn_output, attn_weights
 
 
+def apply_rotary(query, key, cos, sin, backend: str):
+    """``apply_rotary_pos_emb``, in one fused kernel for q and k where the S2 kernels run Triton."""
+    if use_fused_kernels(backend, query) and rotary_embedding_fits(query, key, cos, sin):
+        return rotary_embedding(query, key, cos, sin)
+    return apply_rotary_pos_emb(query, key, cos, sin)
+
+
+class S2LlamaRMSNorm(LlamaRMSNorm):
+    """``LlamaRMSNorm`` (same weight, same function), one fused kernel where the S2 kernels run Triton."""
+
+    def __init__(self, config: S2LlamaConfig):
+        super().__init__(config.hidden_size, eps=config.rms_norm_eps)
+        self.config = config
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if use_fused_kernels(self.config.s2_backend, hidden_states) and hidden_states.shape[-1] <= MAX_NORM_WIDTH:
+            return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        return super().forward(hidden_states)
+
+
+class S2LlamaMLP(LlamaMLP):
+    """``LlamaMLP`` (same weights), with ``silu(gate) * up`` in one fused kernel where the S2 kernels run Triton."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if (self.config.hidden_act in ("silu", "swish") and gate.dtype == up.dtype
+                and use_fused_kernels(self.config.s2_backend, gate)):
+            return self.down_proj(swiglu(gate, up))
+        return self.down_proj(self.act_fn(gate) * up)
+
+
 class S2LlamaDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: S2LlamaConfig, layer_idx: int):
         super().__init__()
         self.hidden_size = config.hidden_size
         self.attention_type = config.layer_types[layer_idx]
         self.self_attn = S2LlamaAttention(config=config, layer_idx=layer_idx)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = S2LlamaMLP(config)
+        self.input_layernorm = S2LlamaRMSNorm(config)
+        self.post_attention_layernorm = S2LlamaRMSNorm(config)
 
     def forward(
         self,
@@ -527,7 +559,7 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
         self.layers = nn.ModuleList(
             [S2LlamaDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = S2LlamaRMSNorm(config)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
         warn_uncovered_offsets(config)

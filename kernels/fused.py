@@ -1,0 +1,219 @@
+"""Fused RMSNorm, SwiGLU and rotary embeddings: one Triton kernel each, as custom ops with their backward.
+
+The S2 model calls these where its attention runs Triton (``use_fused_kernels``) and transformers' Llama functions
+elsewhere; the results agree with those functions to rounding (see ``fused_triton.py``)::
+
+    y = rms_norm(x, weight, eps)                      # LlamaRMSNorm: x [..., N], weight [N]
+    h = swiglu(gate, up)                              # LlamaMLP's act_fn(gate) * up, act_fn = silu
+    q, k = rotary_embedding(q, k, cos, sin)           # apply_rotary_pos_emb: q [B, Hq, T, D], k [B, Hk, T, D],
+                                                      # cos/sin [B or 1, T, D] (LlamaRotaryEmbedding's output)
+
+Each op is a ``torch.library.custom_op`` with a fake implementation and registered autograd, so
+``torch.compile(fullgraph=True)`` traces it as one node and a CUDA graph captures it. Only torch is imported here;
+Triton is imported on first use.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .interface import OP_NAMESPACE, check_backend
+
+# One Triton program holds a whole row of the norm: wider rows run transformers' RMSNorm.
+MAX_NORM_WIDTH = 65536
+
+
+def use_fused_kernels(backend: str, x: torch.Tensor) -> bool:
+    """Whether ``backend`` (an S2 backend name) runs the fused Triton kernels for activations like ``x``.
+
+    ``"auto"``: on CUDA; ``"triton"``: also on the CPU under ``TRITON_INTERPRET=1``; ``"torch"``: never. float64
+    always runs PyTorch (Triton has no float64 matrix path, and the references are float64).
+    """
+    check_backend(backend)
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    if backend == "auto":
+        return x.is_cuda
+    if backend == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError('backend="triton" needs CUDA tensors (or TRITON_INTERPRET=1 to interpret on the CPU)')
+    return backend == "triton"
+
+
+def rotary_embedding_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether ``rotary_embedding`` takes these shapes (transformers' rotary accepts more broadcasting)."""
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or cos.shape != sin.shape:
+        return False
+    b, _, t, d = q.shape
+    return (k.shape[0] == b and k.shape[2:] == (t, d) and d % 2 == 0 and cos.shape[0] in (1, b)
+            and cos.shape[1:] == (t, d) and not (cos.requires_grad or sin.requires_grad))
+
+
+# ---------------------------------------------------------------------------------------------- public ops
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``LlamaRMSNorm``: ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` over the last dim, in one kernel."""
+    if weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"weight must be [{x.shape[-1]}] (x's last dim), got {tuple(weight.shape)}")
+    if not 0 < x.shape[-1] <= MAX_NORM_WIDTH:
+        raise ValueError(f"x's last dim must be in 1..{MAX_NORM_WIDTH}, got {x.shape[-1]}")
+    rows = x.reshape(-1, x.shape[-1])
+    y, _ = rms_norm_op(rows if rows.stride(-1) == 1 else rows.contiguous(), weight, float(eps))
+    return y.view(*x.shape[:-1], x.shape[-1])
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` in one kernel (gate and up of one shape and dtype)."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"gate and up must share shape and dtype, got {tuple(gate.shape)} {gate.dtype} and "
+                         f"{tuple(up.shape)} {up.dtype}")
+    return swiglu_op(gate.contiguous(), up.contiguous())
+
+
+def rotary_embedding(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rotary_pos_emb(q, k, cos, sin)`` for q and k in one kernel; outputs laid out ``[B, T, H, D]``."""
+    if not rotary_embedding_fits(q, k, cos, sin):
+        raise ValueError(
+            f"rotary_embedding takes q [B, Hq, T, D], k [B, Hk, T, D] with even D and cos/sin [B or 1, T, D] that need "
+            f"no gradient; got q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}"
+        )
+    return rotary_op(_unit_stride(q), _unit_stride(k), _unit_stride(cos), _unit_stride(sin))
+
+
+# ---------------------------------------------------------------------------------------------- RMSNorm op
+@torch.library.custom_op(f"{OP_NAMESPACE}::rms_norm", mutates_args=())
+def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, N]`` -> ``(y [M, N], rstd [M] float32)``."""
+    from .fused_triton import rms_norm_fwd
+
+    return rms_norm_fwd(x, weight, eps)
+
+
+@rms_norm_op.register_fake
+def _rms_norm_fake(x, weight, eps):
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)), x.new_empty(x.shape[0],
+                                                                                                dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::rms_norm_backward", mutates_args=())
+def rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                         rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from .fused_triton import rms_norm_bwd
+
+    return rms_norm_bwd(dy.contiguous(), x, weight, rstd)
+
+
+@rms_norm_backward_op.register_fake
+def _rms_norm_backward_fake(dy, x, weight, rstd):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _rms_norm_setup_context(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _rms_norm_backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dweight = rms_norm_backward_op(dy, x, weight, rstd)
+    return dx, dweight, None
+
+
+rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------- SwiGLU op
+@torch.library.custom_op(f"{OP_NAMESPACE}::swiglu", mutates_args=())
+def swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    from .fused_triton import swiglu_fwd
+
+    return swiglu_fwd(gate, up)
+
+
+@swiglu_op.register_fake
+def _swiglu_fake(gate, up):
+    return torch.empty_like(gate)
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::swiglu_backward", mutates_args=())
+def swiglu_backward_op(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from .fused_triton import swiglu_bwd
+
+    return swiglu_bwd(dout.contiguous(), gate, up)
+
+
+@swiglu_backward_op.register_fake
+def _swiglu_backward_fake(dout, gate, up):
+    return torch.empty_like(gate), torch.empty_like(up)
+
+
+def _swiglu_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_backward(ctx, dout):
+    gate, up = ctx.saved_tensors
+    return swiglu_backward_op(dout, gate, up)
+
+
+swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------- rotary op
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """The kernels index the last dim with unit stride (any other strides)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _bthd_empty(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor of x's ``[B, H, T, D]`` shape, laid out ``[B, T, H, D]`` (the projections' layout)."""
+    b, h, t, d = x.shape
+    return x.new_empty((b, t, h, d), dtype=dtype).transpose(1, 2)
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::rotary", mutates_args=())
+def rotary_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from .fused_triton import rotary_apply
+
+    q_out = _bthd_empty(q, torch.promote_types(q.dtype, cos.dtype))
+    k_out = _bthd_empty(k, torch.promote_types(k.dtype, cos.dtype))
+    rotary_apply(q, k, cos, sin, q_out, k_out, backward=False)
+    return q_out, k_out
+
+
+@rotary_op.register_fake
+def _rotary_fake(q, k, cos, sin):
+    return (_bthd_empty(q, torch.promote_types(q.dtype, cos.dtype)),
+            _bthd_empty(k, torch.promote_types(k.dtype, cos.dtype)))
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::rotary_backward", mutates_args=())
+def rotary_backward_op(dq_out: torch.Tensor, dk_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       q_dtype: torch.dtype, k_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``rotary_op`` for q and k, in their dtypes."""
+    from .fused_triton import rotary_apply
+
+    dq, dk = _bthd_empty(dq_out, q_dtype), _bthd_empty(dk_out, k_dtype)
+    rotary_apply(_unit_stride(dq_out), _unit_stride(dk_out), cos, sin, dq, dk, backward=True)
+    return dq, dk
+
+
+@rotary_backward_op.register_fake
+def _rotary_backward_fake(dq_out, dk_out, cos, sin, q_dtype, k_dtype):
+    return _bthd_empty(dq_out, q_dtype), _bthd_empty(dk_out, k_dtype)
+
+
+def _rotary_setup_context(ctx, inputs, output):
+    q, k, cos, sin = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.dtypes = q.dtype, k.dtype
+
+
+def _rotary_backward(ctx, dq_out, dk_out):
+    cos, sin = ctx.saved_tensors
+    dq, dk = rotary_backward_op(dq_out, dk_out, cos, sin, *ctx.dtypes)
+    return dq, dk, None, None
+
+
+rotary_op.register_autograd(_rotary_backward, setup_context=_rotary_setup_context)

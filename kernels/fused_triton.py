@@ -1,0 +1,221 @@
+"""Triton kernels for the non-attention parts of a decoder layer: RMSNorm, SwiGLU and rotary embeddings.
+
+Each replaces a chain of PyTorch kernels with one pass over memory (transformers' ``LlamaRMSNorm`` runs ~8 kernels
+forward, rotary ~10 for q and k, ``silu(gate) * up`` 2), which is what a training step at long context and a
+decode step at batch 8 spend most of their non-matmul time on. Entry points (launchers, called by ``fused.py``):
+
+    y, rstd = rms_norm_fwd(x, weight, eps)          # x [M, N]; y [M, N] in promote(x, weight); rstd [M] float32
+    dx, dweight = rms_norm_bwd(dy, x, weight, rstd)
+    out = swiglu_fwd(gate, up)                        # silu(gate) * up, any shape (contiguous), one dtype
+    dgate, dup = swiglu_bwd(dout, gate, up)
+    rotary_apply(q, k, cos, sin, q_out, k_out, backward)   # q [B, Hq, T, D], k [B, Hk, T, D], cos/sin [B|1, T, D]
+
+Numerics follow transformers' functions: float32 math, the normalized activations rounded to the input's dtype
+before the weight multiplies them (as ``LlamaRMSNorm`` does), outputs in the dtype PyTorch's type promotion gives.
+Intermediate roundings of the PyTorch chain that are not part of the function (``silu`` rounded before the product,
+``q * cos`` rounded before the sum) are not repeated: the result is the float32 value rounded once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .triton_setup import tl, triton
+
+
+def _row_warps(block: int) -> int:
+    """Warps for one program over ``block`` elements: ~8 elements per thread, 4 to 16 warps."""
+    return min(max(block // 256, 4), 16)
+
+
+# ---------------------------------------------------------------------------------------------- RMSNorm
+@triton.jit
+def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, stride_x, stride_y, eps, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    in_row = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=in_row, other=0.0)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)  # LlamaRMSNorm rounds to the input dtype before the weight
+    w = tl.load(w_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=in_row)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, M, N, stride_dy, stride_x,
+                         stride_dx, BLOCK_N: tl.constexpr):
+    # Program p handles rows p, p + P, p + 2P, ... and writes its share of dweight to row p of dw_partial [P, N].
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    in_row = cols < N
+    w = tl.load(w_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # Row pointers advance by `programs` rows (64-bit pointer arithmetic: no int32 overflow on long inputs).
+    first, step = pid.to(tl.int64), programs.to(tl.int64)
+    dy_row, x_row, dx_row, rstd_row = (dy_ptr + first * stride_dy, x_ptr + first * stride_x,
+                                       dx_ptr + first * stride_dx, rstd_ptr + first)
+    for _ in tl.range(pid, M, programs):
+        x = tl.load(x_row + cols, mask=in_row, other=0.0)
+        xf = x.to(tl.float32)
+        dy = tl.load(dy_row + cols, mask=in_row, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_row)
+        normed = xf * rstd
+        dw += dy * normed.to(x.dtype).to(tl.float32)
+        dnormed = dy * w
+        # d/dx of x * rsqrt(mean(x^2) + eps): rstd * (dn - n * mean(dn * n))
+        dx = rstd * (dnormed - normed * (tl.sum(dnormed * normed, axis=0) / N))
+        tl.store(dx_row + cols, dx.to(dx_ptr.dtype.element_ty), mask=in_row)
+        dy_row += step * stride_dy
+        x_row += step * stride_x
+        dx_row += step * stride_dx
+        rstd_row += step
+    tl.store(dw_partial_ptr + pid.to(tl.int64) * N + cols, dw, mask=in_row)
+
+
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, N]`` (unit column stride) -> ``(y [M, N], rstd [M] float32)``."""
+    m, n = x.shape
+    y = torch.empty((m, n), device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
+    rstd = torch.empty(m, device=x.device, dtype=torch.float32)
+    block = triton.next_power_of_2(n)
+    if m:
+        _rms_norm_fwd_kernel[(m,)](x, weight, y, rstd, n, x.stride(0), y.stride(0), eps, BLOCK_N=block,
+                                   num_warps=_row_warps(block))
+    return y, rstd
+
+
+def rms_norm_bwd(dy, x, weight, rstd) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``rms_norm_fwd`` for ``x`` (in x's dtype) and ``weight`` (in weight's dtype)."""
+    m, n = x.shape
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    programs = max(1, min(m, _parallel_programs(x.device)))
+    dw_partial = torch.empty((programs, n), device=x.device, dtype=torch.float32)
+    block = triton.next_power_of_2(n)
+    if m:
+        _rms_norm_bwd_kernel[(programs,)](dy, x, weight, rstd, dx, dw_partial, m, n, dy.stride(0), x.stride(0),
+                                          dx.stride(0), BLOCK_N=block, num_warps=_row_warps(block))
+    else:
+        dw_partial.zero_()
+    return dx, dw_partial.sum(0).to(weight.dtype)
+
+
+def _parallel_programs(device: torch.device) -> int:
+    """Programs that keep every SM busy with rows (the interpreter runs them one by one: a few)."""
+    if device.type != "cuda":
+        return 4
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# ---------------------------------------------------------------------------------------------- SwiGLU
+SWIGLU_BLOCK = 1024
+
+
+@triton.jit
+def _swiglu_fwd_kernel(gate_ptr, up_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < numel
+    gate = tl.load(gate_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offsets, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(dout_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, numel, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < numel
+    dout = tl.load(dout_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    sigmoid = tl.sigmoid(gate)
+    silu = gate * sigmoid
+    tl.store(dup_ptr + offsets, (dout * silu).to(dup_ptr.dtype.element_ty), mask=inside)
+    dsilu = sigmoid * (1.0 + gate * (1.0 - sigmoid))
+    tl.store(dgate_ptr + offsets, (dout * up * dsilu).to(dgate_ptr.dtype.element_ty), mask=inside)
+
+
+def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for contiguous tensors of one shape and dtype."""
+    out = torch.empty_like(gate)
+    numel = gate.numel()
+    if numel:
+        _swiglu_fwd_kernel[(triton.cdiv(numel, SWIGLU_BLOCK),)](gate, up, out, numel, BLOCK=SWIGLU_BLOCK)
+    return out
+
+
+def swiglu_bwd(dout, gate, up) -> tuple[torch.Tensor, torch.Tensor]:
+    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    numel = gate.numel()
+    if numel:
+        _swiglu_bwd_kernel[(triton.cdiv(numel, SWIGLU_BLOCK),)](dout, gate, up, dgate, dup, numel,
+                                                                BLOCK=SWIGLU_BLOCK)
+    return dgate, dup
+
+
+# ---------------------------------------------------------------------------------------------- rotary
+@triton.jit
+def _rotate_heads(x_ptr, out_ptr, c1, c2, s1, s2, b, t, H, stride_xb, stride_xh, stride_xt, stride_ob, stride_oh,
+                  stride_ot, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BACKWARD: tl.constexpr):
+    """Rotate every head of token ``(b, t)``. Forward: ``x * cos + rotate_half(x) * sin``; backward: its transpose."""
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    x_row = x_ptr + b * stride_xb + t * stride_xt
+    out_row = out_ptr + b * stride_ob + t * stride_ot
+    for h0 in range(0, H, BLOCK_H):
+        heads = (h0 + tl.arange(0, BLOCK_H))[:, None]
+        inside = (heads < H) & (d < HALF)
+        x1 = tl.load(x_row + heads * stride_xh + d, mask=inside, other=0.0).to(tl.float32)
+        x2 = tl.load(x_row + heads * stride_xh + HALF + d, mask=inside, other=0.0).to(tl.float32)
+        if BACKWARD:
+            y1 = x1 * c1 + x2 * s2
+            y2 = x2 * c2 - x1 * s1
+        else:
+            y1 = x1 * c1 - x2 * s1
+            y2 = x2 * c2 + x1 * s2
+        tl.store(out_row + heads * stride_oh + d, y1.to(out_ptr.dtype.element_ty), mask=inside)
+        tl.store(out_row + heads * stride_oh + HALF + d, y2.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, T, Hq, Hk,
+                   stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                   stride_qob, stride_qoh, stride_qot, stride_kob, stride_koh, stride_kot, stride_cb, stride_ct,
+                   HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr):
+    # Program (token, 0) rotates the token's query heads, (token, 1) its key heads; cos/sin are read once each.
+    token = tl.program_id(0).to(tl.int64)
+    b, t = token // T, token % T
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    table = b * stride_cb + t * stride_ct + d
+    c1 = tl.load(cos_ptr + table, mask=d < HALF, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + table + HALF, mask=d < HALF, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + table, mask=d < HALF, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + table + HALF, mask=d < HALF, other=0.0).to(tl.float32)
+    if tl.program_id(1) == 0:
+        _rotate_heads(q_ptr, q_out_ptr, c1, c2, s1, s2, b, t, Hq, stride_qb, stride_qh, stride_qt, stride_qob,
+                      stride_qoh, stride_qot, HALF, BLOCK_HALF, BLOCK_H, BACKWARD)
+    else:
+        _rotate_heads(k_ptr, k_out_ptr, c1, c2, s1, s2, b, t, Hk, stride_kb, stride_kh, stride_kt, stride_kob,
+                      stride_koh, stride_kot, HALF, BLOCK_HALF, BLOCK_H, BACKWARD)
+
+
+def rotary_apply(q, k, cos, sin, q_out, k_out, backward: bool) -> None:
+    """Write ``q_out``, ``k_out`` (``[B, H, T, D]``, any strides): the rotation of q and k (its transpose with
+    ``backward``). Every tensor has unit stride in D; cos/sin ``[B or 1, T, D]``."""
+    b, hq, t, d = q.shape
+    hk = k.shape[1]
+    half = d // 2
+    block_half = triton.next_power_of_2(half)
+    block_h = min(triton.next_power_of_2(max(hq, hk)), max(1, 4096 // block_half))
+    cos_batch_stride = 0 if cos.shape[0] == 1 else cos.stride(0)  # position ids shared by the batch
+    if b * t:
+        _rotary_kernel[(b * t, 2)](
+            q, k, q_out, k_out, cos, sin, t, hq, hk, *_bht(q), *_bht(k), *_bht(q_out), *_bht(k_out),
+            cos_batch_stride, cos.stride(1), HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, BACKWARD=backward,
+            num_warps=4,
+        )
+
+
+def _bht(x: torch.Tensor) -> tuple[int, int, int]:
+    return x.stride(0), x.stride(1), x.stride(2)

@@ -1,0 +1,237 @@
+"""The fused RMSNorm, SwiGLU and rotary kernels against transformers' Llama functions in float64.
+
+Tolerance as for attention (``attention_checks.py``): within 2x (3x for gradients) of the error PyTorch's own
+functions make in the input dtype. CPU runs use Triton's interpreter (float16/float32; its bfloat16 is unreliable),
+the GPU test bfloat16 at the 1B model's sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_checks import ABS_FLOOR
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from s2_models import S2LlamaConfig, S2LlamaForCausalLM
+from s2_models.kernels.fused import (
+    rms_norm,
+    rms_norm_backward_op,
+    rms_norm_op,
+    rotary_backward_op,
+    rotary_embedding,
+    rotary_op,
+    swiglu,
+    swiglu_backward_op,
+    swiglu_op,
+    use_fused_kernels,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETER_DTYPES = (torch.float16, torch.float32)
+
+
+def llama_rms_norm(x, weight, eps):
+    norm = LlamaRMSNorm(x.shape[-1], eps=eps)
+    return torch.func.functional_call(norm, {"weight": weight}, (x,))
+
+
+def llama_swiglu(gate, up):
+    return torch.nn.functional.silu(gate) * up
+
+
+def llama_rotary(q, k, cos, sin):
+    return apply_rotary_pos_emb(q, k, cos, sin)
+
+
+def assert_matches_llama(ours, reference, inputs, grad_dtypes=None):
+    """``ours(*inputs)`` against ``reference`` in float64 (outputs and gradients of every input that requires one)
+    within 2x / 3x of ``reference``'s error in the inputs' own dtypes. Checks output dtypes and strides too."""
+    outs = _as_tuple(ours(*inputs))
+    same = _as_tuple(reference(*inputs))
+    exact_inputs = [x.detach().double().requires_grad_(x.requires_grad) for x in inputs]
+    exact = _as_tuple(reference(*exact_inputs))
+    grad_outs = [torch.randn(o.shape, dtype=torch.float64, device=o.device) for o in exact]
+    for mine, baseline in zip(outs, same):
+        assert mine.dtype == baseline.dtype, f"output dtype {mine.dtype}, transformers gives {baseline.dtype}"
+        assert not mine.isnan().any(), "an output element was not written"
+    differentiable = [i for i, x in enumerate(inputs) if x.requires_grad]
+
+    def grads(outputs, xs):
+        loss = sum((o.double() * g).sum() for o, g in zip(outputs, grad_outs))
+        return torch.autograd.grad(loss, [xs[i] for i in differentiable])
+
+    named = [(f"out{i}", o, e, s, 2) for i, (o, e, s) in enumerate(zip(outs, exact, same))]
+    for i, mine, ex, sm in zip(differentiable, grads(outs, inputs), grads(exact, exact_inputs), grads(same, inputs)):
+        assert mine.dtype == inputs[i].dtype
+        named.append((f"grad{i}", mine, ex, sm, 3))
+    for name, mine, ex, sm, factor in named:
+        error = (mine.double() - ex).abs().max().item()
+        allowed = factor * (sm.double() - ex).abs().max().item() + ABS_FLOOR[sm.dtype]
+        assert error <= allowed, f"{name}: error {error:.3e} > allowed {allowed:.3e}"
+
+
+def _as_tuple(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+# ---------------------------------------------------------------------------------------------- RMSNorm
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+@pytest.mark.parametrize("weight_dtype", ["same", torch.float32])
+def test_rms_norm_matches_llama(dtype, weight_dtype):
+    # 37 rows (more than the backward's programs on the CPU), a width that is not a power of two, a row stride
+    # that is not the width (a slice of a wider tensor), fp32 weights over 16-bit activations (autocast).
+    wide = torch.randn(37, 107, dtype=dtype, device=DEVICE) * 3
+    x = wide[:, :100].requires_grad_()
+    weight = (1 + 0.1 * torch.randn(100, device=DEVICE)).to(dtype if weight_dtype == "same" else weight_dtype)
+    assert_matches_llama(lambda x_, w_: rms_norm(x_, w_, 1e-5), lambda x_, w_: llama_rms_norm(x_, w_, 1e-5),
+                         (x, weight.requires_grad_()))
+
+
+def test_rms_norm_keeps_leading_dims_and_rejects_bad_weights():
+    x = torch.randn(2, 3, 48, device=DEVICE)
+    assert rms_norm(x, torch.ones(48, device=DEVICE), 1e-6).shape == (2, 3, 48)
+    with pytest.raises(ValueError, match=r"weight must be \[48\]"):
+        rms_norm(x, torch.ones(47, device=DEVICE), 1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- SwiGLU
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+def test_swiglu_matches_llama(dtype):
+    # 3 x 1031 x 2 elements: several programs of 1024 and a masked tail; large |gate| saturates the sigmoid.
+    gate = (torch.randn(3, 1031, 2, dtype=dtype, device=DEVICE) * 4).requires_grad_()
+    up = torch.randn(3, 1031, 2, dtype=dtype, device=DEVICE).requires_grad_()
+    assert_matches_llama(swiglu, llama_swiglu, (gate, up))
+
+
+def test_swiglu_rejects_mismatched_inputs():
+    with pytest.raises(ValueError, match="gate and up must share shape and dtype"):
+        swiglu(torch.randn(4, 8, device=DEVICE), torch.randn(4, 9, device=DEVICE))
+
+
+# ---------------------------------------------------------------------------------------------- rotary
+def _projection_heads(b, t, h, d, dtype):
+    """q or k as the attention layer has it: the projection's ``[B, T, H, D]`` output viewed as ``[B, H, T, D]``."""
+    return torch.randn(b, t, h, d, dtype=dtype, device=DEVICE).transpose(1, 2).requires_grad_()
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+@pytest.mark.parametrize("cos_batch", [1, 3])
+@pytest.mark.parametrize("head_dim", [16, 24])  # 24: half a head (12) is not a power of two
+def test_rotary_matches_llama(dtype, cos_batch, head_dim):
+    b, t = 3, 13
+    q, k = _projection_heads(b, t, 6, head_dim, dtype), _projection_heads(b, t, 2, head_dim, dtype)  # GQA
+    angles = torch.randn(cos_batch, t, head_dim // 2, device=DEVICE, dtype=torch.float64) * 3
+    angles = torch.cat([angles, angles], dim=-1)  # LlamaRotaryEmbedding's layout; the kernel does not assume it
+    cos, sin = angles.cos().to(dtype), (angles.sin() * 1.1).to(dtype)  # attention_scaling-like factor on sin
+    assert_matches_llama(rotary_embedding, llama_rotary, (q, k, cos, sin))
+    q_out, _ = rotary_embedding(q, k, cos, sin)
+    assert q_out.stride() == q.stride(), "outputs keep the projections' [B, T, H, D] layout"
+
+
+def test_rotary_promotes_like_pytorch():
+    """Under autocast with float32 weights, q/k are 16-bit and cos/sin float32: the outputs are float32 as in
+    transformers, the gradients in q's and k's dtype."""
+    q, k = _projection_heads(2, 5, 4, 16, torch.float16), _projection_heads(2, 5, 2, 16, torch.float16)
+    angles = torch.randn(2, 5, 16, device=DEVICE)
+    assert_matches_llama(rotary_embedding, llama_rotary, (q, k, angles.cos(), angles.sin()))
+
+
+def test_rotary_rejects_shapes_it_does_not_take():
+    q, k = torch.randn(1, 2, 5, 16, device=DEVICE), torch.randn(1, 2, 5, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="rotary_embedding takes"):
+        rotary_embedding(q, k, torch.randn(1, 5, 8, device=DEVICE), torch.randn(1, 5, 8, device=DEVICE))
+
+
+# ---------------------------------------------------------------------------------------------- the ops
+def test_custom_ops_pass_opcheck():
+    """Schemas, fake (meta) implementations and registered autograd agree with the kernels (torch.compile needs
+    all three)."""
+    x, w = torch.randn(5, 48, device=DEVICE), torch.randn(48, device=DEVICE)
+    gate, up = torch.randn(4, 40, device=DEVICE), torch.randn(4, 40, device=DEVICE)
+    q = torch.randn(2, 3, 6, 2, 16, device=DEVICE)[:, :, :, 0].transpose(1, 2)  # [B, H, T, D] = [2, 6, 3, 16]
+    k = torch.randn(2, 3, 1, 16, device=DEVICE).transpose(1, 2)
+    cos, sin = torch.randn(2, 3, 16, device=DEVICE), torch.randn(2, 3, 16, device=DEVICE)
+    y, rstd = rms_norm_op(x, w, 1e-6)
+    grad = lambda t: torch.randn(t.shape, device=DEVICE)  # noqa: E731
+    for op, args in (
+        (rms_norm_op, (x.requires_grad_(), w.requires_grad_(), 1e-6)),
+        (rms_norm_backward_op, (grad(y), x.detach(), w.detach(), rstd)),
+        (swiglu_op, (gate.requires_grad_(), up.requires_grad_())),
+        (swiglu_backward_op, (grad(gate), gate.detach(), up.detach())),
+        (rotary_op, (q.requires_grad_(), k.requires_grad_(), cos, sin)),
+        (rotary_backward_op, (grad(q), grad(k), cos, sin, torch.float32, torch.float32)),
+    ):
+        torch.library.opcheck(op, args)
+
+
+class _RecordOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+def _tiny_model(backend):
+    torch.manual_seed(0)
+    config = S2LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                           sparsity={"block_size": 16, "local_blocks": 2, "vert_stride": 2}, s2_backend=backend)
+    return S2LlamaForCausalLM(config).to(DEVICE)
+
+
+def test_model_runs_the_fused_kernels_only_where_triton_runs():
+    """With ``s2_backend="triton"`` (the interpreter here; "auto" on CUDA) every norm, rotary and MLP activation of
+    the model is the fused op, and the result matches transformers' Llama code (``s2_backend="torch"``), gradients
+    included."""
+    ids = torch.randint(0, 64, (2, 40), device=DEVICE)
+    results = {}
+    for backend in ("triton", "torch"):
+        model = _tiny_model(backend)
+        with _RecordOps() as recorded:
+            out = model(ids, labels=ids)
+            out.loss.backward()
+        fused = {name.split("::")[1] for name in recorded.names if name.split("::")[1] in
+                 ("rms_norm", "rms_norm_backward", "swiglu", "swiglu_backward", "rotary", "rotary_backward")}
+        results[backend] = out.logits, {n: p.grad for n, p in model.named_parameters()}, fused
+    assert results["triton"][2] == {"rms_norm", "rms_norm_backward", "swiglu", "swiglu_backward", "rotary",
+                                    "rotary_backward"}
+    assert results["torch"][2] == set()
+    torch.testing.assert_close(results["triton"][0], results["torch"][0], atol=1e-4, rtol=1e-4)
+    for name, grad in results["torch"][1].items():
+        torch.testing.assert_close(results["triton"][1][name], grad, atol=1e-4, rtol=1e-3, msg=name)
+
+
+def test_float64_and_the_torch_backend_never_fuse():
+    x = torch.randn(2, 8, device=DEVICE)
+    assert not use_fused_kernels("torch", x)
+    assert not use_fused_kernels("triton", x.double())
+    with pytest.raises(ValueError, match="backend must be one of"):
+        use_fused_kernels("cuda", x)
+
+
+# ---------------------------------------------------------------------------------------------- GPU, bfloat16
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_kernels_on_the_gpu_at_model_sizes(dtype):
+    """The 1B model's sizes (hidden 2048, MLP 8192, 32 / 8 heads of 64), odd token counts, bf16 and fp16 weights,
+    and bf16 activations over float32 weights (autocast)."""
+    tokens = 333
+    x = (torch.randn(tokens, 2048, device="cuda", dtype=dtype) * 2).requires_grad_()
+    for weight_dtype in (dtype, torch.float32):
+        weight = (1 + 0.1 * torch.randn(2048, device="cuda")).to(weight_dtype).requires_grad_()
+        assert_matches_llama(lambda x_, w_: rms_norm(x_, w_, 1e-5), lambda x_, w_: llama_rms_norm(x_, w_, 1e-5),
+                             (x, weight))
+    gate = (torch.randn(tokens, 8192, device="cuda", dtype=dtype) * 4).requires_grad_()
+    up = torch.randn(tokens, 8192, device="cuda", dtype=dtype).requires_grad_()
+    assert_matches_llama(swiglu, llama_swiglu, (gate, up))
+    for cos_dtype in (dtype, torch.float32):
+        q = torch.randn(2, tokens, 32, 64, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+        k = torch.randn(2, tokens, 8, 64, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+        angles = torch.randn(2, tokens, 32, device="cuda", dtype=torch.float64) * 100
+        angles = torch.cat([angles, angles], dim=-1)
+        assert_matches_llama(rotary_embedding, llama_rotary, (q, k, angles.cos().to(cos_dtype),
+                                                              angles.sin().to(cos_dtype)))
