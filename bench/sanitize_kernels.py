@@ -1,5 +1,7 @@
 """Run every Triton kernel once on small odd shapes, for compute-sanitizer (memcheck): no out-of-bounds access.
 
+Attention (forward, backward, varlen), decode and cache append, and the fused RMSNorm / SwiGLU / rotary.
+
 On compute capability 9.0 the warp-specialized Gluon forward (``hopper_fwd.py``) and the split-group dk/dv run too,
 forced, on their own cases.
 """
@@ -10,6 +12,7 @@ import torch
 
 from s2_models.kernels import S2Pattern, s2_attention, triton_impl
 from s2_models.kernels.decode import CompactLayout, s2_cache_append, s2_decode_attention
+from s2_models.kernels.fused import rms_norm, rotary_embedding, swiglu
 
 torch.manual_seed(0)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: TRITON_INTERPRET=1, to check the script itself
@@ -39,6 +42,17 @@ for dtype in (torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.flo
                             num_splits=3)
         new = k.detach()[:, :, :3]
         s2_cache_append(cache, cache.clone(), new, new, seq_lens, layout, num_ring_slots=layout.num_ring_slots(n))
+    # The fused RMSNorm (more rows than the backward's programs, odd width, row stride != width), SwiGLU (masked
+    # tail) and rotary (GQA, half a head not a power of two, cos shared by the batch), forward and backward.
+    x = torch.randn(1031, 107, device=DEVICE, dtype=dtype)[:, :100].requires_grad_()
+    weight = torch.randn(100, device=DEVICE, requires_grad=True)
+    rms_norm(x, weight, 1e-6).float().sum().backward()
+    gate, up = (torch.randn(3, 1031, device=DEVICE, dtype=dtype, requires_grad=True) for _ in "gu")
+    swiglu(gate, up).float().sum().backward()
+    q = torch.randn(3, 13, 6, 24, device=DEVICE, dtype=dtype).transpose(1, 2).requires_grad_()
+    k = torch.randn(3, 13, 2, 24, device=DEVICE, dtype=dtype).transpose(1, 2).requires_grad_()
+    angles = torch.randn(1, 13, 24, device=DEVICE)
+    sum(t.float().sum() for t in rotary_embedding(q, k, angles.cos(), angles.sin())).backward()
 if DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0):
     os.environ["S2_ATTENTION_AUTOTUNE"] = "0"  # one launch per kernel: the forced candidate
     for size in ("small", "medium"):

@@ -20,6 +20,7 @@ import os
 import torch
 
 from .interface import OP_NAMESPACE, check_backend
+from .layouts import empty_heads_last
 
 # One Triton program holds a whole row of the norm: wider rows run transformers' RMSNorm.
 MAX_NORM_WIDTH = 65536
@@ -165,27 +166,21 @@ def _unit_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _bthd_empty(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An empty tensor of x's ``[B, H, T, D]`` shape, laid out ``[B, T, H, D]`` (the projections' layout)."""
-    b, h, t, d = x.shape
-    return x.new_empty((b, t, h, d), dtype=dtype).transpose(1, 2)
-
-
 @torch.library.custom_op(f"{OP_NAMESPACE}::rotary", mutates_args=())
 def rotary_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from .fused_triton import rotary_apply
 
-    q_out = _bthd_empty(q, torch.promote_types(q.dtype, cos.dtype))
-    k_out = _bthd_empty(k, torch.promote_types(k.dtype, cos.dtype))
+    q_out = empty_heads_last(q, torch.promote_types(q.dtype, cos.dtype))
+    k_out = empty_heads_last(k, torch.promote_types(k.dtype, cos.dtype))
     rotary_apply(q, k, cos, sin, q_out, k_out, backward=False)
     return q_out, k_out
 
 
 @rotary_op.register_fake
 def _rotary_fake(q, k, cos, sin):
-    return (_bthd_empty(q, torch.promote_types(q.dtype, cos.dtype)),
-            _bthd_empty(k, torch.promote_types(k.dtype, cos.dtype)))
+    return (empty_heads_last(q, torch.promote_types(q.dtype, cos.dtype)),
+            empty_heads_last(k, torch.promote_types(k.dtype, cos.dtype)))
 
 
 @torch.library.custom_op(f"{OP_NAMESPACE}::rotary_backward", mutates_args=())
@@ -194,14 +189,14 @@ def rotary_backward_op(dq_out: torch.Tensor, dk_out: torch.Tensor, cos: torch.Te
     """Gradients of ``rotary_op`` for q and k, in their dtypes."""
     from .fused_triton import rotary_apply
 
-    dq, dk = _bthd_empty(dq_out, q_dtype), _bthd_empty(dk_out, k_dtype)
+    dq, dk = empty_heads_last(dq_out, q_dtype), empty_heads_last(dk_out, k_dtype)
     rotary_apply(_unit_stride(dq_out), _unit_stride(dk_out), cos, sin, dq, dk, backward=True)
     return dq, dk
 
 
 @rotary_backward_op.register_fake
 def _rotary_backward_fake(dq_out, dk_out, cos, sin, q_dtype, k_dtype):
-    return _bthd_empty(dq_out, q_dtype), _bthd_empty(dk_out, k_dtype)
+    return empty_heads_last(dq_out, q_dtype), empty_heads_last(dk_out, k_dtype)
 
 
 def _rotary_setup_context(ctx, inputs, output):

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .layouts import BlockLayout, Varlen
+from .layouts import BlockLayout, Varlen, as_heads_last, empty_heads_last
 from .pattern import DENSE_PATTERN, S2Pattern, check_block_size
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: PyTorch path only
@@ -437,8 +437,8 @@ def attention_op(
     cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int | None, max_seqlen_k: int | None,
     attention_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``s2_attention``'s arguments (pattern as ``pattern_to_ints``) -> ``(out [B, Hq, Tq, D], lse [B, Hq, Tq])``,
-    both contiguous."""
+    """``s2_attention``'s arguments (pattern as ``pattern_to_ints``) -> ``(out [B, Hq, Tq, D], lse [B, Hq, Tq])``;
+    out stored ``[B, Tq, Hq, D]`` (``empty_heads_last``: what a model reads back without a copy), lse contiguous."""
     layout, varlen, attention_mask, (forward, _) = _resolve_call(
         q, k, pattern, block_mask, block_size, causal, backend, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, attention_mask,
@@ -447,13 +447,13 @@ def attention_op(
         out, lse = _run_padded(forward, q, k, v, layout, scale, attention_mask)
     else:
         out, lse = forward(q, k, v, layout, scale, varlen)
-    return out.contiguous(), lse.contiguous()
+    return as_heads_last(out), lse.contiguous()
 
 
 @attention_op.register_fake
 def _attention_fake(q, k, v, *args):
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=lse_dtype)
+    return empty_heads_last(q), q.new_empty(q.shape[:3], dtype=lse_dtype)
 
 
 @torch.library.custom_op(f"{OP_NAMESPACE}::attention_backward", mutates_args=())
@@ -464,7 +464,8 @@ def attention_backward_op(
     cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int | None, max_seqlen_k: int | None,
     attention_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of ``attention_op`` with respect to q, k, v (contiguous); ``dlse`` ``None`` when lse is unused."""
+    """Gradients of ``attention_op`` with respect to q, k, v (stored ``[B, T, H, D]``, as q, k, v usually are);
+    ``dlse`` ``None`` when lse is unused."""
     layout, varlen, attention_mask, (_, backward) = _resolve_call(
         q, k, pattern, block_mask, block_size, causal, backend, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, attention_mask,
@@ -473,12 +474,12 @@ def attention_backward_op(
         grads = _run_padded_backward(backward, q, k, v, out, lse, dout, dlse, layout, scale, attention_mask)
     else:
         grads = backward(q, k, v, out, lse, dout, dlse, layout, scale, varlen)
-    return tuple(grad.contiguous() for grad in grads)
+    return tuple(as_heads_last(grad) for grad in grads)
 
 
 @attention_backward_op.register_fake
 def _attention_backward_fake(dout, dlse, q, k, v, *args):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return empty_heads_last(q), empty_heads_last(k), empty_heads_last(v)
 
 
 def _attention_setup_context(ctx, inputs, output):

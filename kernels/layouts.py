@@ -4,6 +4,7 @@
   (``torch_impl``, ``triton_impl``; contract in ``interface.py``).
 * ``CompactLayout`` (with its ``SlotTables``): where each kept block of a sparse layer lives in the compact KV cache,
   used by ``decode.py`` and ``decode_triton.py`` (layout described in ``decode.py``).
+* ``empty_heads_last``: the memory layout of the ops' ``[B, H, T, D]`` outputs and gradients.
 
 Only torch is imported here.
 """
@@ -157,3 +158,22 @@ def _tables(layout: CompactLayout, device: str) -> SlotTables:
             rank[kv, r] = i
     vertical_upto = (rank >= 0).int().cumsum(-1, dtype=torch.int32)
     return SlotTables(*(t.to(device) for t in (residues, rank, counts, vertical_upto)))
+
+
+def empty_heads_last(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An empty tensor of ``x``'s ``[B, H, T, D]`` shape stored as ``[B, T, H, D]``.
+
+    That is how a model's q, k and v arrive (views of a projection's ``[B, T, H * D]`` output), and how it reads
+    the attention output back (``.transpose(1, 2)`` to ``[B, T, H, D]``): outputs and gradients laid out this way
+    cost no copy on either side.
+    """
+    b, h, t, d = x.shape
+    return x.new_empty((b, t, h, d), dtype=dtype or x.dtype).transpose(1, 2)
+
+
+def as_heads_last(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself if it is laid out as ``empty_heads_last`` makes it (strides equal), else a copy laid out so."""
+    b, h, t, d = x.shape
+    if x.stride() == (t * h * d, d, h * d, 1):
+        return x
+    return empty_heads_last(x).copy_(x)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from . import hopper_fwd
-from .layouts import BlockLayout, Varlen
+from .layouts import BlockLayout, Varlen, empty_heads_last
 from .sequence_bounds import sequence_bounds
 from .triton_setup import TensorDescriptor, tl, triton
 
@@ -849,7 +849,7 @@ def s2_attention_fwd(
         ``out [B, Hq, Tq, D]`` in q's dtype and ``lse [B, Hq, Tq]`` float32 (natural log, ``-inf`` for empty rows).
     """
     batch, num_q_heads, seqlen_q, head_dim = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [B, Hq, Tq, D]
+    out = empty_heads_last(q)  # [B, Hq, Tq, D], stored [B, Tq, Hq, D] (interface.py's output layout)
     lse = torch.empty(batch, num_q_heads, seqlen_q, dtype=torch.float32, device=q.device)  # [B, Hq, Tq]
     if q.numel() == 0:
         return out, lse.fill_(-math.inf)
@@ -892,9 +892,7 @@ def s2_attention_bwd(
     """
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq, dk, dv = empty_heads_last(q), empty_heads_last(k), empty_heads_last(v)  # interface.py's output layout
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     problem = _problem(q, k, layout, varlen)

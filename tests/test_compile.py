@@ -114,14 +114,17 @@ def loss_and_grads(model, step, ids):
     return loss.detach(), grads
 
 
-@pytest.mark.parametrize("inputs", [{}, {"attention_mask": PADDING_MASK}, {"position_ids": PACKED_POSITIONS}],
-                         ids=["plain", "padded", "packed"])
-def test_fullgraph_training_step_equals_eager(inputs):
+@pytest.mark.parametrize("inputs, backend", [
+    ({}, "torch"), ({"attention_mask": PADDING_MASK}, "torch"), ({"position_ids": PACKED_POSITIONS}, "torch"),
+    ({}, "triton"),
+], ids=["plain", "padded", "packed", "triton"])
+def test_fullgraph_training_step_equals_eager(inputs, backend):
     """Forward and backward of a hybrid model (a dense and a sparse layer) trace as one graph (fullgraph=True: a graph
-    break would raise) and give eager's loss and gradients; the model's default use_cache stays on."""
+    break would raise) and give eager's loss and gradients; the model's default use_cache stays on. With the Triton
+    backend (the interpreter here) the attention, norms, rotary and SwiGLU are the kernels' custom ops."""
     torch.manual_seed(0)
     model = tiny_model(num_hidden_layers=2, sparsity=["dense", {"block_size": 16, "local_blocks": 1,
-                                                                "vert_stride": 3}]).train()
+                                                                "vert_stride": 3}], s2_backend=backend).train()
     assert model.supports_gradient_checkpointing and type(model)._can_compile_fullgraph
     ids = tokens(2, 40)
 

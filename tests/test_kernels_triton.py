@@ -177,6 +177,21 @@ def test_strided_inputs():
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_outputs_and_gradients_are_stored_heads_last(backend):
+    """out, dq, dk and dv are stored [B, T, H, D]: a model reads the output back through ``.transpose(1, 2)`` and
+    its projections take the gradients through the same views, with no copy (the Triton launchers allocate them so;
+    the op lays out the PyTorch path's results the same way, as its fake implementation promises torch.compile)."""
+    pattern = S2Pattern(block_size=16, local_blocks=2, vert_stride=3)
+    q, k, v = (torch.randn(2, 40, h, 16, device=DEVICE).transpose(1, 2).requires_grad_() for h in (4, 2, 2))
+    out = s2_attention(q, k, v, pattern, backend=backend)
+    assert out.transpose(1, 2).is_contiguous()
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert all(grad.transpose(1, 2).is_contiguous() for grad in grads)
+    model_view = out.transpose(1, 2)
+    assert model_view.contiguous().data_ptr() == model_view.data_ptr(), "the model's read-back copies"
+
+
 @pytest.mark.parametrize("layout", ["bhtd", "bthd"])
 @pytest.mark.parametrize("block_size", [64, 128])
 def test_tma_loads_equal_pointer_loads(monkeypatch, layout, block_size):
