@@ -7,6 +7,8 @@ elsewhere; the results agree with those functions to rounding (see ``fused_trito
     h = swiglu(gate, up)                              # LlamaMLP's act_fn(gate) * up, act_fn = silu
     q, k = rotary_embedding(q, k, cos, sin)           # apply_rotary_pos_emb: q [B, Hq, T, D], k [B, Hk, T, D],
                                                       # cos/sin [B or 1, T, D] (LlamaRotaryEmbedding's output)
+    q, k, v = linear_group(x, [w_q, w_k, w_v])        # decode steps (<= 16 tokens, no gradient): x @ w.T each,
+    h = linear_swiglu(x, w_gate, w_up)                # one launch; silu(x @ w_gate.T) * (x @ w_up.T)
 
 Each op is a ``torch.library.custom_op`` with a fake implementation and registered autograd, so
 ``torch.compile(fullgraph=True)`` traces it as one node and a CUDA graph captures it. Only torch is imported here;
@@ -18,12 +20,15 @@ from __future__ import annotations
 import os
 
 import torch
+from torch import nn
 
 from .interface import OP_NAMESPACE, check_backend
 from .layouts import empty_heads_last
 
 # One Triton program holds a whole row of the norm: wider rows run transformers' RMSNorm.
 MAX_NORM_WIDTH = 65536
+# The decode-sized projections hold every token in one 16-row tile.
+MAX_DECODE_TOKENS = 16
 
 
 def use_fused_kernels(backend: str, x: torch.Tensor) -> bool:
@@ -49,6 +54,26 @@ def rotary_embedding_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, s
     b, _, t, d = q.shape
     return (k.shape[0] == b and k.shape[2:] == (t, d) and d % 2 == 0 and cos.shape[0] in (1, b)
             and cos.shape[1:] == (t, d) and not (cos.requires_grad or sin.requires_grad))
+
+
+def decode_projections_fit(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> bool:
+    """Whether the ``linears`` that read ``x [..., K]`` can run as ``linear_group`` / ``linear_swiglu``: at most
+    ``MAX_DECODE_TOKENS`` tokens, no gradient and no autocast (inference), and plain bias-free ``nn.Linear`` layers
+    with local weights in x's dtype. Anything else (LoRA and quantized layers, hooks or a replaced ``forward``, as
+    accelerate's offloading sets, sharded weights) runs its own ``forward``."""
+    if torch.is_grad_enabled() or x.numel() > MAX_DECODE_TOKENS * x.shape[-1] or x.numel() == 0:
+        return False
+    if torch.is_autocast_enabled(x.device.type):
+        return False
+    for linear in linears:
+        if type(linear) is not nn.Linear or linear.bias is not None or "forward" in linear.__dict__:
+            return False
+        if linear._forward_hooks or linear._forward_pre_hooks:
+            return False
+        weight = linear.weight
+        if type(weight.data) is not torch.Tensor or weight.dtype != x.dtype or weight.stride(-1) != 1:
+            return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------- public ops
@@ -79,6 +104,36 @@ def rotary_embedding(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
             f"no gradient; got q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}"
         )
     return rotary_op(_unit_stride(q), _unit_stride(k), _unit_stride(cos), _unit_stride(sin))
+
+
+def linear_group(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``[x @ w.T for w in weights]`` in one launch, for 1 to 3 weights ``[N_i, K]`` and at most
+    ``MAX_DECODE_TOKENS`` tokens in ``x [..., K]`` (no autograd: inference only)."""
+    rows = _decode_rows(x, weights)
+    return [out.view(*x.shape[:-1], out.shape[-1]) for out in linear_group_op(rows, list(weights))]
+
+
+def linear_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """``silu(x @ w_gate.T) * (x @ w_up.T)`` in one launch (``LlamaMLP`` before ``down_proj``), for at most
+    ``MAX_DECODE_TOKENS`` tokens (no autograd: inference only)."""
+    if w_gate.shape != w_up.shape:
+        raise ValueError(f"w_gate and w_up must share one shape, got {tuple(w_gate.shape)} and {tuple(w_up.shape)}")
+    out = linear_swiglu_op(_decode_rows(x, [w_gate, w_up]), w_gate, w_up)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _decode_rows(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """``x`` as ``[M, K]`` rows with unit column stride, after checking what the decode-sized kernels take."""
+    if not 1 <= len(weights) <= 3:
+        raise ValueError(f"between 1 and 3 weights, got {len(weights)}")
+    k = x.shape[-1]
+    for w in weights:
+        if w.dim() != 2 or w.shape[1] != k or w.dtype != x.dtype or w.stride(-1) != 1:
+            raise ValueError(f"weights must be [N, {k}] in {x.dtype} with unit column stride, got "
+                             f"{tuple(w.shape)} {w.dtype} strides {w.stride()}")
+    if x.numel() > MAX_DECODE_TOKENS * k:
+        raise ValueError(f"at most {MAX_DECODE_TOKENS} tokens, got {x.numel() // k}")
+    return _unit_stride(x.reshape(-1, k))
 
 
 # ---------------------------------------------------------------------------------------------- RMSNorm op
@@ -158,6 +213,31 @@ def _swiglu_backward(ctx, dout):
 
 
 swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------- decode linears
+@torch.library.custom_op(f"{OP_NAMESPACE}::linear_group", mutates_args=())
+def linear_group_op(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    from .fused_triton import linear_group_fwd
+
+    return linear_group_fwd(x, weights)
+
+
+@linear_group_op.register_fake
+def _linear_group_fake(x, weights):
+    return [x.new_empty((x.shape[0], w.shape[0])) for w in weights]
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::linear_swiglu", mutates_args=())
+def linear_swiglu_op(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    from .fused_triton import linear_swiglu_fwd
+
+    return linear_swiglu_fwd(x, w_gate, w_up)
+
+
+@linear_swiglu_op.register_fake
+def _linear_swiglu_fake(x, w_gate, w_up):
+    return x.new_empty((x.shape[0], w_gate.shape[0]))
 
 
 # ---------------------------------------------------------------------------------------------- rotary op

@@ -1,14 +1,17 @@
-"""Triton kernels for the non-attention parts of a decoder layer: RMSNorm, SwiGLU and rotary embeddings.
+"""Triton kernels for the non-attention parts of a decoder layer: RMSNorm, SwiGLU, rotary embeddings, and the
+projections of decode steps.
 
 Each replaces a chain of PyTorch kernels with one pass over memory (transformers' ``LlamaRMSNorm`` runs ~8 kernels
-forward, rotary ~10 for q and k, ``silu(gate) * up`` 2), which is what a training step at long context and a
-decode step at batch 8 spend most of their non-matmul time on. Entry points (launchers, called by ``fused.py``):
+forward, rotary ~10 for q and k, ``silu(gate) * up`` 2); the decode-sized projections read q, k and v's weights in one
+launch, and gate and up's with SwiGLU applied. Entry points (launchers, called by ``fused.py``):
 
     y, rstd = rms_norm_fwd(x, weight, eps)          # x [M, N]; y [M, N] in promote(x, weight); rstd [M] float32
     dx, dweight = rms_norm_bwd(dy, x, weight, rstd)
     out = swiglu_fwd(gate, up)                        # silu(gate) * up, any shape (contiguous), one dtype
     dgate, dup = swiglu_bwd(dout, gate, up)
     rotary_apply(q, k, cos, sin, q_out, k_out, backward)   # q [B, Hq, T, D], k [B, Hk, T, D], cos/sin [B|1, T, D]
+    outs = linear_group_fwd(x, [w_q, w_k, w_v])       # x [M <= 16, K] @ each w.T, one launch (decode steps)
+    h = linear_swiglu_fwd(x, w_gate, w_up)            # silu(x @ w_gate.T) * (x @ w_up.T)
 
 Numerics follow transformers' functions: float32 math, the normalized activations rounded to the input's dtype
 before the weight multiplies them (as ``LlamaRMSNorm`` does), outputs in the dtype PyTorch's type promotion gives.
@@ -219,3 +222,108 @@ def rotary_apply(q, k, cos, sin, q_out, k_out, backward: bool) -> None:
 
 def _bht(x: torch.Tensor) -> tuple[int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2)
+
+
+# ---------------------------------------------------------------------------------------------- decode-sized linears
+# Projections of a decode step (a few tokens) read a whole weight matrix for a handful of rows: memory-bound, and at
+# this size cuBLAS's kernels reach ~1.5 TB/s on an H100 for the 8 MB projections. One launch for q, k and v together
+# and one for gate and up with SwiGLU fused (bench/NOTES.md has the measurements). A program holds all tokens in one
+# 16-row tile (the smallest tl.dot tile): up to 16 tokens (``fused.MAX_DECODE_TOKENS``).
+
+
+@triton.jit
+def _skinny_tile(x_ptr, w_ptr, tile, M, N, K, stride_xm, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``x [M, K] @ w[cols, :]^T`` for the ``tile``-th ``BLOCK_N`` rows of ``w [N, K]``: ``[16, BLOCK_N]`` float32."""
+    rows = tl.arange(0, 16)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        k_in = (k0 + ks)[None, :] < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :], mask=(rows[:, None] < M) & k_in,
+                    other=0.0)
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + (k0 + ks)[None, :],
+                    mask=(cols[:, None] < N) & k_in, other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _store_tile(o_ptr, acc, tile, M, N, stride_om, BLOCK_N: tl.constexpr):
+    rows = tl.arange(0, 16)[:, None]
+    cols = (tile * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
+    tl.store(o_ptr + rows * stride_om + cols, acc.to(o_ptr.dtype.element_ty), mask=(rows < M) & (cols < N))
+
+
+@triton.jit
+def _linear_group_kernel(x_ptr, w0, w1, w2, o0, o1, o2, M, N0, N1, N2, K, tiles0, tiles01, stride_xm, stride_w0,
+                         stride_w1, stride_w2, stride_o0, stride_o1, stride_o2, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # Programs [0, tiles0) compute o0 = x @ w0^T, [tiles0, tiles01) o1, the rest o2 (fewer weights: empty ranges).
+    pid = tl.program_id(0)
+    if pid < tiles0:
+        acc = _skinny_tile(x_ptr, w0, pid, M, N0, K, stride_xm, stride_w0, BLOCK_N, BLOCK_K, STAGES, DOT_PRECISION)
+        _store_tile(o0, acc, pid, M, N0, stride_o0, BLOCK_N)
+    elif pid < tiles01:
+        tile = pid - tiles0
+        acc = _skinny_tile(x_ptr, w1, tile, M, N1, K, stride_xm, stride_w1, BLOCK_N, BLOCK_K, STAGES, DOT_PRECISION)
+        _store_tile(o1, acc, tile, M, N1, stride_o1, BLOCK_N)
+    else:
+        tile = pid - tiles01
+        acc = _skinny_tile(x_ptr, w2, tile, M, N2, K, stride_xm, stride_w2, BLOCK_N, BLOCK_K, STAGES, DOT_PRECISION)
+        _store_tile(o2, acc, tile, M, N2, stride_o2, BLOCK_N)
+
+
+@triton.jit
+def _linear_swiglu_kernel(x_ptr, w_gate, w_up, out_ptr, M, N, K, stride_xm, stride_wg, stride_wu, stride_om,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    gate = _skinny_tile(x_ptr, w_gate, tile, M, N, K, stride_xm, stride_wg, BLOCK_N, BLOCK_K, STAGES, DOT_PRECISION)
+    up = _skinny_tile(x_ptr, w_up, tile, M, N, K, stride_xm, stride_wu, BLOCK_N, BLOCK_K, STAGES, DOT_PRECISION)
+    _store_tile(out_ptr, gate * tl.sigmoid(gate) * up, tile, M, N, stride_om, BLOCK_N)
+
+
+def _skinny_tiles(k: int, weights: int) -> dict:
+    """Tile and pipeline depth for ``weights`` weight matrices of inner size ``k`` streamed by one program (H100
+    sweep, bench/NOTES.md): 32 rows x 256 columns per step up to k = 4096, 16 x 512 beyond; fewer stages when a
+    program streams two matrices."""
+    block_n, block_k = (32, 256) if k <= 4096 else (16, 512)
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=5 if weights == 1 else 3, num_warps=4)
+
+
+def _dot_precision(x: torch.Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"  # ignored for 16-bit inputs
+
+
+def linear_group_fwd(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``[x @ w.T for w in weights]`` (1 to 3 weights ``[N_i, K]``, unit column stride; x ``[M <= 16, K]``)."""
+    m, k = x.shape
+    outs = [x.new_empty((m, w.shape[0])) for w in weights]
+    tiles_config = _skinny_tiles(k, 1)
+    tiles = [triton.cdiv(w.shape[0], tiles_config["BLOCK_N"]) for w in weights]
+    # Three slots: unused ones repeat the first weight and get no programs.
+    slot_weights = [*weights, *[weights[0]] * (3 - len(weights))]
+    slot_outs = [*outs, *[outs[0]] * (3 - len(outs))]
+    if m:
+        _linear_group_kernel[(sum(tiles),)](
+            x, *slot_weights, *slot_outs, m, *(w.shape[0] for w in slot_weights), k, tiles[0], sum(tiles[:2]),
+            x.stride(0), *(w.stride(0) for w in slot_weights), *(o.stride(0) for o in slot_outs),
+            DOT_PRECISION=_dot_precision(x), **tiles_config,
+        )
+    return outs
+
+
+def linear_swiglu_fwd(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """``silu(x @ w_gate.T) * (x @ w_up.T)`` (x ``[M <= 16, K]``, weights ``[N, K]``)."""
+    m, k = x.shape
+    n = w_gate.shape[0]
+    out = x.new_empty((m, n))
+    tiles_config = _skinny_tiles(k, 2)
+    if m:
+        _linear_swiglu_kernel[(triton.cdiv(n, tiles_config["BLOCK_N"]),)](
+            x, w_gate, w_up, out, m, n, k, x.stride(0), w_gate.stride(0), w_up.stride(0), out.stride(0),
+            DOT_PRECISION=_dot_precision(x), **tiles_config,
+        )
+    return out

@@ -44,7 +44,17 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .cache_s2_llama import S2CacheLayer, s2_cache_layer, set_default_rollback
 from .configuration_s2_llama import DENSE, FULL_ATTENTION, S2_ATTENTION, S2LlamaConfig
-from .kernels.fused import MAX_NORM_WIDTH, rms_norm, rotary_embedding, rotary_embedding_fits, swiglu, use_fused_kernels
+from .kernels.fused import (
+    MAX_NORM_WIDTH,
+    decode_projections_fit,
+    linear_group,
+    linear_swiglu,
+    rms_norm,
+    rotary_embedding,
+    rotary_embedding_fits,
+    swiglu,
+    use_fused_kernels,
+)
 from .kernels.interface import AUTOCAST_DEVICE_TYPES, dense_attention, s2_attention
 from .kernels.pattern import S2Pattern, token_mask
 from .static_cache_s2_llama import S2StaticCache
@@ -368,9 +378,13 @@ class S2LlamaAttention(nn.Module):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if use_fused_kernels(self.config.s2_backend, hidden_states) and decode_projections_fit(hidden_states,
+                                                                                                projections):
+            projected = linear_group(hidden_states, [projection.weight for projection in projections])
+        else:
+            projected = [projection(hidden_states) for projection in projections]
+        query_states, key_states, value_states = (x.view(hidden_shape).transpose(1, 2) for x in projected)
 
         query_states, key_states = apply_rotary(query_states, key_states, *position_embeddings,
                                                 backend=self.config.s2_backend)
@@ -431,12 +445,16 @@ class S2LlamaRMSNorm(LlamaRMSNorm):
 
 
 class S2LlamaMLP(LlamaMLP):
-    """``LlamaMLP`` (same weights), with ``silu(gate) * up`` in one fused kernel where the S2 kernels run Triton."""
+    """``LlamaMLP`` (same weights), with ``silu(gate) * up`` in one fused kernel where the S2 kernels run Triton,
+    and at decode sizes gate, up and SwiGLU in one launch (``decode_projections_fit``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = self.config.hidden_act in ("silu", "swish") and use_fused_kernels(self.config.s2_backend, x)
+        if fused and decode_projections_fit(x, (self.gate_proj, self.up_proj, self.down_proj)):
+            hidden = linear_swiglu(x, self.gate_proj.weight, self.up_proj.weight)
+            return linear_group(hidden, [self.down_proj.weight])[0]
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if (self.config.hidden_act in ("silu", "swish") and gate.dtype == up.dtype
-                and use_fused_kernels(self.config.s2_backend, gate)):
+        if fused and gate.dtype == up.dtype:
             return self.down_proj(swiglu(gate, up))
         return self.down_proj(self.act_fn(gate) * up)
 

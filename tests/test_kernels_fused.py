@@ -1,4 +1,4 @@
-"""The fused RMSNorm, SwiGLU and rotary kernels against transformers' Llama functions in float64.
+"""The fused RMSNorm, SwiGLU, rotary and decode-projection kernels against transformers' Llama functions in float64.
 
 Tolerance as for attention (``attention_checks.py``): within 2x (3x for gradients) of the error PyTorch's own
 functions make in the input dtype. CPU runs use Triton's interpreter (float16/float32; its bfloat16 is unreliable),
@@ -15,6 +15,12 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from s2_models import S2LlamaConfig, S2LlamaForCausalLM
 from s2_models.kernels.fused import (
+    MAX_DECODE_TOKENS,
+    decode_projections_fit,
+    linear_group,
+    linear_group_op,
+    linear_swiglu,
+    linear_swiglu_op,
     rms_norm,
     rms_norm_backward_op,
     rms_norm_op,
@@ -62,9 +68,11 @@ def assert_matches_llama(ours, reference, inputs, grad_dtypes=None):
         return torch.autograd.grad(loss, [xs[i] for i in differentiable])
 
     named = [(f"out{i}", o, e, s, 2) for i, (o, e, s) in enumerate(zip(outs, exact, same))]
-    for i, mine, ex, sm in zip(differentiable, grads(outs, inputs), grads(exact, exact_inputs), grads(same, inputs)):
-        assert mine.dtype == inputs[i].dtype
-        named.append((f"grad{i}", mine, ex, sm, 3))
+    if differentiable:
+        for i, mine, ex, sm in zip(differentiable, grads(outs, inputs), grads(exact, exact_inputs),
+                                   grads(same, inputs)):
+            assert mine.dtype == inputs[i].dtype
+            named.append((f"grad{i}", mine, ex, sm, 3))
     for name, mine, ex, sm, factor in named:
         error = (mine.double() - ex).abs().max().item()
         allowed = factor * (sm.double() - ex).abs().max().item() + ABS_FLOOR[sm.dtype]
@@ -143,6 +151,75 @@ def test_rotary_rejects_shapes_it_does_not_take():
         rotary_embedding(q, k, torch.randn(1, 5, 8, device=DEVICE), torch.randn(1, 5, 8, device=DEVICE))
 
 
+# ---------------------------------------------------------------------------------------------- decode projections
+def _no_grad(fn):
+    def run(*inputs):
+        with torch.no_grad():
+            return fn(*inputs)
+    return run
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+@pytest.mark.parametrize("tokens", [1, 5, MAX_DECODE_TOKENS])
+@pytest.mark.parametrize("num_weights", [1, 2, 3])
+def test_linear_group_matches_torch(dtype, tokens, num_weights):
+    # K = 300 (not a multiple of the 256-wide steps), output widths that are not multiples of the 32-row tiles.
+    x = torch.randn(tokens, 1, 300, dtype=dtype, device=DEVICE)
+    weights = [torch.randn(n, 300, dtype=dtype, device=DEVICE) / 17 for n in (50, 33, 70)[:num_weights]]
+
+    def reference(x_, *ws):
+        return tuple(torch.nn.functional.linear(x_, w) for w in ws)
+
+    assert_matches_llama(_no_grad(lambda x_, *ws: tuple(linear_group(x_, list(ws)))), reference, (x, *weights))
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+def test_linear_swiglu_matches_llama_mlp(dtype):
+    x = torch.randn(3, 2, 300, dtype=dtype, device=DEVICE)
+    w_gate, w_up = (torch.randn(70, 300, dtype=dtype, device=DEVICE) / 17 for _ in "gu")
+
+    def reference(x_, wg, wu):
+        return torch.nn.functional.silu(torch.nn.functional.linear(x_, wg)) * torch.nn.functional.linear(x_, wu)
+
+    assert_matches_llama(_no_grad(linear_swiglu), reference, (x, w_gate, w_up))
+
+
+def test_decode_projections_fit_only_plain_inference_linears():
+    """LoRA or quantized layers, hooks (accelerate's offloading), biases, training, autocast and long inputs keep
+    their own forward: the fused launch reads the weight matrices directly."""
+    linear = torch.nn.Linear(32, 48, bias=False, device=DEVICE)
+    x = torch.randn(2, 1, 32, device=DEVICE)
+
+    class LoraLike(torch.nn.Linear):
+        pass
+
+    with torch.no_grad():
+        assert decode_projections_fit(x, (linear,))
+        assert not decode_projections_fit(torch.randn(1, MAX_DECODE_TOKENS + 1, 32, device=DEVICE), (linear,))
+        assert not decode_projections_fit(x, (torch.nn.Linear(32, 48, device=DEVICE),))  # bias
+        assert not decode_projections_fit(x, (LoraLike(32, 48, bias=False, device=DEVICE),))
+        assert not decode_projections_fit(x.half(), (linear,))  # weights in another dtype
+        hooked = torch.nn.Linear(32, 48, bias=False, device=DEVICE)
+        hooked.register_forward_hook(lambda *args: None)
+        assert not decode_projections_fit(x, (hooked,))
+        replaced = torch.nn.Linear(32, 48, bias=False, device=DEVICE)
+        replaced.forward = lambda x_: x_
+        assert not decode_projections_fit(x, (replaced,))
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            assert not decode_projections_fit(x, (linear,))
+    assert not decode_projections_fit(x, (linear,))  # gradients enabled: training runs nn.Linear
+
+
+def test_decode_projections_reject_what_they_cannot_take():
+    x = torch.randn(2, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="weights must be"):
+        linear_group(x, [torch.randn(8, 31, device=DEVICE)])
+    with pytest.raises(ValueError, match=f"at most {MAX_DECODE_TOKENS} tokens"):
+        linear_group(torch.randn(MAX_DECODE_TOKENS + 1, 32, device=DEVICE), [torch.randn(8, 32, device=DEVICE)])
+    with pytest.raises(ValueError, match="between 1 and 3 weights"):
+        linear_group(x, [torch.randn(8, 32, device=DEVICE)] * 4)
+
+
 # ---------------------------------------------------------------------------------------------- the ops
 def test_custom_ops_pass_opcheck():
     """Schemas, fake (meta) implementations and registered autograd agree with the kernels (torch.compile needs
@@ -161,6 +238,9 @@ def test_custom_ops_pass_opcheck():
         (swiglu_backward_op, (grad(gate), gate.detach(), up.detach())),
         (rotary_op, (q.requires_grad_(), k.requires_grad_(), cos, sin)),
         (rotary_backward_op, (grad(q), grad(k), cos, sin, torch.float32, torch.float32)),
+        (linear_group_op, (torch.randn(3, 48, device=DEVICE), [torch.randn(n, 48, device=DEVICE) for n in (40, 8)])),
+        (linear_swiglu_op, (torch.randn(3, 48, device=DEVICE), torch.randn(40, 48, device=DEVICE),
+                            torch.randn(40, 48, device=DEVICE))),
     ):
         torch.library.opcheck(op, args)
 
@@ -205,6 +285,21 @@ def test_model_runs_the_fused_kernels_only_where_triton_runs():
         torch.testing.assert_close(results["triton"][1][name], grad, atol=1e-4, rtol=1e-3, msg=name)
 
 
+def test_generation_runs_the_decode_projections():
+    """Greedy generation with the Triton backend runs q/k/v and gate/up/down of every decode step as the fused
+    launches and gives the tokens of transformers' Llama code."""
+    ids = torch.randint(0, 64, (2, 20), device=DEVICE)
+    tokens, recorded_ops = {}, {}
+    for backend in ("triton", "torch"):
+        model = _tiny_model(backend).eval()
+        with _RecordOps() as recorded:
+            tokens[backend] = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        recorded_ops[backend] = {name for name in recorded.names if "linear_" in name}
+    assert {name.split("::")[1] for name in recorded_ops["triton"]} == {"linear_group", "linear_swiglu"}
+    assert recorded_ops["torch"] == set()
+    assert torch.equal(tokens["triton"], tokens["torch"])
+
+
 def test_float64_and_the_torch_backend_never_fuse():
     x = torch.randn(2, 8, device=DEVICE)
     assert not use_fused_kernels("torch", x)
@@ -218,7 +313,7 @@ def test_float64_and_the_torch_backend_never_fuse():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_kernels_on_the_gpu_at_model_sizes(dtype):
     """The 1B model's sizes (hidden 2048, MLP 8192, 32 / 8 heads of 64), odd token counts, bf16 and fp16 weights,
-    and bf16 activations over float32 weights (autocast)."""
+    bf16 activations over float32 weights (autocast), and the decode-sized projections at batch 8."""
     tokens = 333
     x = (torch.randn(tokens, 2048, device="cuda", dtype=dtype) * 2).requires_grad_()
     for weight_dtype in (dtype, torch.float32):
@@ -235,3 +330,15 @@ def test_fused_kernels_on_the_gpu_at_model_sizes(dtype):
         angles = torch.cat([angles, angles], dim=-1)
         assert_matches_llama(rotary_embedding, llama_rotary, (q, k, angles.cos().to(cos_dtype),
                                                               angles.sin().to(cos_dtype)))
+    # Decode-sized projections: q/k/v (K = 2048, 32-row tiles), gate/up with SwiGLU, down (K = 8192, 16-row tiles).
+    x = torch.randn(8, 1, 2048, device="cuda", dtype=dtype)
+    qkv = [torch.randn(n, 2048, device="cuda", dtype=dtype) / 45 for n in (2048, 512, 512)]
+    assert_matches_llama(_no_grad(lambda x_, *ws: tuple(linear_group(x_, list(ws)))),
+                         lambda x_, *ws: tuple(torch.nn.functional.linear(x_, w) for w in ws), (x, *qkv))
+    gate_up = [torch.randn(8192, 2048, device="cuda", dtype=dtype) / 45 for _ in "gu"]
+    assert_matches_llama(_no_grad(linear_swiglu), lambda x_, wg, wu: llama_swiglu(torch.nn.functional.linear(
+        x_, wg), torch.nn.functional.linear(x_, wu)), (x, *gate_up))
+    hidden = torch.randn(8, 1, 8192, device="cuda", dtype=dtype)
+    down = torch.randn(2048, 8192, device="cuda", dtype=dtype) / 90
+    assert_matches_llama(_no_grad(lambda x_, w: linear_group(x_, [w])[0]), torch.nn.functional.linear,
+                         (hidden, down))
