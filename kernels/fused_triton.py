@@ -258,18 +258,20 @@ def _store_tile(o_ptr, acc, tile, M, N, stride_om, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _linear_group_kernel(x_ptr, w0, w1, w2, o0, o1, o2, M, N0, N1, N2, K, tiles0, tiles01, stride_xm, stride_w0,
-                         stride_w1, stride_w2, stride_o0, stride_o1, stride_o2, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # Programs [0, tiles0) compute o0 = x @ w0^T, [tiles0, tiles01) o1, the rest o2 (fewer weights: empty ranges).
+                         stride_w1, stride_w2, stride_o0, stride_o1, stride_o2, NUM_WEIGHTS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    # Programs [0, tiles0) compute o0 = x @ w0^T, [tiles0, tiles01) o1, the rest o2. Only NUM_WEIGHTS branches are
+    # compiled: each holds its own pipeline buffers in shared memory.
     pid = tl.program_id(0)
     if pid < tiles0:
         acc = _skinny_tile(x_ptr, w0, pid, M, N0, K, stride_xm, stride_w0, BLOCK_N, BLOCK_K, STAGES, DOT_PRECISION)
         _store_tile(o0, acc, pid, M, N0, stride_o0, BLOCK_N)
-    elif pid < tiles01:
+    elif NUM_WEIGHTS == 2 or (NUM_WEIGHTS == 3 and pid < tiles01):
         tile = pid - tiles0
         acc = _skinny_tile(x_ptr, w1, tile, M, N1, K, stride_xm, stride_w1, BLOCK_N, BLOCK_K, STAGES, DOT_PRECISION)
         _store_tile(o1, acc, tile, M, N1, stride_o1, BLOCK_N)
-    else:
+    elif NUM_WEIGHTS == 3:
         tile = pid - tiles01
         acc = _skinny_tile(x_ptr, w2, tile, M, N2, K, stride_xm, stride_w2, BLOCK_N, BLOCK_K, STAGES, DOT_PRECISION)
         _store_tile(o2, acc, tile, M, N2, stride_o2, BLOCK_N)
@@ -285,12 +287,14 @@ def _linear_swiglu_kernel(x_ptr, w_gate, w_up, out_ptr, M, N, K, stride_xm, stri
     _store_tile(out_ptr, gate * tl.sigmoid(gate) * up, tile, M, N, stride_om, BLOCK_N)
 
 
-def _skinny_tiles(k: int, weights: int) -> dict:
-    """Tile and pipeline depth for ``weights`` weight matrices of inner size ``k`` streamed by one program (H100
-    sweep, bench/NOTES.md): 32 rows x 256 columns per step up to k = 4096, 16 x 512 beyond; fewer stages when a
-    program streams two matrices."""
-    block_n, block_k = (32, 256) if k <= 4096 else (16, 512)
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=5 if weights == 1 else 3, num_warps=4)
+def _skinny_tiles(x: torch.Tensor, buffered_loops: int, max_stages: int) -> dict:
+    """Tile and pipeline depth of the decode-sized kernels (H100 sweep, bench/NOTES.md): 32 weight rows x 256 columns
+    per step up to K = 4096, 16 x 512 beyond; as many stages (up to ``max_stages``) as fit ~200 KB of shared memory,
+    where Triton keeps ``stages - 1`` buffers of (16 + BLOCK_N) x BLOCK_K elements for each of ``buffered_loops``."""
+    block_n, block_k = (32, 256) if x.shape[1] <= 4096 else (16, 512)
+    stage_bytes = buffered_loops * (16 + block_n) * block_k * x.element_size()
+    stages = max(2, min(max_stages, 1 + (200 * 1024) // stage_bytes))
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=4)
 
 
 def _dot_precision(x: torch.Tensor) -> str:
@@ -301,16 +305,16 @@ def linear_group_fwd(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch
     """``[x @ w.T for w in weights]`` (1 to 3 weights ``[N_i, K]``, unit column stride; x ``[M <= 16, K]``)."""
     m, k = x.shape
     outs = [x.new_empty((m, w.shape[0])) for w in weights]
-    tiles_config = _skinny_tiles(k, 1)
+    tiles_config = _skinny_tiles(x, buffered_loops=min(len(weights), 2), max_stages=5)
     tiles = [triton.cdiv(w.shape[0], tiles_config["BLOCK_N"]) for w in weights]
-    # Three slots: unused ones repeat the first weight and get no programs.
+    # Three slots: unused ones repeat the first weight (their branches are not compiled).
     slot_weights = [*weights, *[weights[0]] * (3 - len(weights))]
     slot_outs = [*outs, *[outs[0]] * (3 - len(outs))]
     if m:
         _linear_group_kernel[(sum(tiles),)](
             x, *slot_weights, *slot_outs, m, *(w.shape[0] for w in slot_weights), k, tiles[0], sum(tiles[:2]),
             x.stride(0), *(w.stride(0) for w in slot_weights), *(o.stride(0) for o in slot_outs),
-            DOT_PRECISION=_dot_precision(x), **tiles_config,
+            NUM_WEIGHTS=len(weights), DOT_PRECISION=_dot_precision(x), **tiles_config,
         )
     return outs
 
@@ -320,7 +324,7 @@ def linear_swiglu_fwd(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor)
     m, k = x.shape
     n = w_gate.shape[0]
     out = x.new_empty((m, n))
-    tiles_config = _skinny_tiles(k, 2)
+    tiles_config = _skinny_tiles(x, buffered_loops=2, max_stages=3)
     if m:
         _linear_swiglu_kernel[(triton.cdiv(n, tiles_config["BLOCK_N"]),)](
             x, w_gate, w_up, out, m, n, k, x.stride(0), w_gate.stride(0), w_up.stride(0), out.stride(0),
