@@ -140,13 +140,16 @@ STEP_MARK = "decode_step_end"
 # Kernel-name patterns (searched in order) -> category of the step profile. Eager RMSNorm is pow, mean, add, rsqrt,
 # mul and casts; rotary is mul, neg, cat, add: those share kernels with other elementwise work, so "norms" and
 # "rotary" count only the kernels only they launch and "elementwise" holds the rest (the per-name table is exact).
+# The fused kernels (kernels/fused_triton.py) have names of their own; the decode-sized projections are matmuls.
 KERNEL_CATEGORIES = (
     ("decode attention", ("s2_decode_fwd", "s2_decode_combine")),
     ("cache append", ("s2_cache_append",)),
-    ("matmuls", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "cublas", "wgmma")),
+    ("matmuls", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "cublas", "wgmma", "_linear_group",
+                 "_linear_swiglu")),
     ("sampling/argmax", ("argmax", "argmin", "topk", "sort")),
     ("norms", ("meanops", "rsqrt", "pow_tensor", "norm")),
-    ("rotary", ("catarray", "neg_kernel", "cat_", "sin_", "cos_")),
+    ("rotary", ("_rotary_kernel", "catarray", "neg_kernel", "cat_", "sin_", "cos_")),
+    ("swiglu", ("_swiglu_fwd",)),
     ("embedding", ("indexselect", "embedding")),
     ("copies", ("memcpy", "memset", "copy_kernel", "direct_copy")),
     ("elementwise", ("elementwise", "triton_poi", "triton_per", "triton_red", "reduce_kernel")),

@@ -1,6 +1,7 @@
 """Run every Triton kernel once on small odd shapes, for compute-sanitizer (memcheck): no out-of-bounds access.
 
-Attention (forward, backward, varlen), decode and cache append, and the fused RMSNorm / SwiGLU / rotary.
+Attention (forward, backward, varlen), decode and cache append, and the fused RMSNorm / SwiGLU / rotary / decode
+projections.
 
 On compute capability 9.0 the warp-specialized Gluon forward (``hopper_fwd.py``) and the split-group dk/dv run too,
 forced, on their own cases.
@@ -12,7 +13,7 @@ import torch
 
 from s2_models.kernels import S2Pattern, s2_attention, triton_impl
 from s2_models.kernels.decode import CompactLayout, s2_cache_append, s2_decode_attention
-from s2_models.kernels.fused import rms_norm, rotary_embedding, swiglu
+from s2_models.kernels.fused import linear_group, linear_swiglu, rms_norm, rotary_embedding, swiglu
 
 torch.manual_seed(0)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: TRITON_INTERPRET=1, to check the script itself
@@ -53,6 +54,12 @@ for dtype in (torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.flo
     k = torch.randn(3, 13, 2, 24, device=DEVICE, dtype=dtype).transpose(1, 2).requires_grad_()
     angles = torch.randn(1, 13, 24, device=DEVICE)
     sum(t.float().sum() for t in rotary_embedding(q, k, angles.cos(), angles.sin())).backward()
+    with torch.no_grad():  # decode-sized projections: odd token count, K not a multiple of the steps, odd widths
+        x = torch.randn(5, 300, device=DEVICE, dtype=dtype)
+        linear_group(x, [torch.randn(n, 300, device=DEVICE, dtype=dtype) for n in (50, 33, 70)])
+        linear_group(torch.randn(3, 4100, device=DEVICE, dtype=dtype), [torch.randn(40, 4100, device=DEVICE,
+                                                                                     dtype=dtype)])
+        linear_swiglu(x, *(torch.randn(70, 300, device=DEVICE, dtype=dtype) for _ in "gu"))
 if DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0):
     os.environ["S2_ATTENTION_AUTOTUNE"] = "0"  # one launch per kernel: the forced candidate
     for size in ("small", "medium"):
