@@ -1,4 +1,4 @@
-"""Fused RMSNorm, SwiGLU and rotary embeddings: one Triton kernel each, as custom ops with their backward.
+"""Fused RMSNorm, SwiGLU, rotary embeddings and decode-sized projections: one Triton kernel each, as custom ops.
 
 The S2 model calls these where its attention runs Triton (``use_fused_kernels``) and transformers' Llama functions
 elsewhere; the results agree with those functions to rounding (see ``fused_triton.py``)::
@@ -10,9 +10,9 @@ elsewhere; the results agree with those functions to rounding (see ``fused_trito
     q, k, v = linear_group(x, [w_q, w_k, w_v])        # decode steps (<= 16 tokens, no gradient): x @ w.T each,
     h = linear_swiglu(x, w_gate, w_up)                # one launch; silu(x @ w_gate.T) * (x @ w_up.T)
 
-Each op is a ``torch.library.custom_op`` with a fake implementation and registered autograd, so
-``torch.compile(fullgraph=True)`` traces it as one node and a CUDA graph captures it. Only torch is imported here;
-Triton is imported on first use.
+Each op is a ``torch.library.custom_op`` with a fake implementation (and, but for the inference-only projections,
+registered autograd), so ``torch.compile(fullgraph=True)`` traces it as one node and a CUDA graph captures it. Only
+torch is imported here; Triton is imported on first use.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if not 0 < x.shape[-1] <= MAX_NORM_WIDTH:
         raise ValueError(f"x's last dim must be in 1..{MAX_NORM_WIDTH}, got {x.shape[-1]}")
     rows = x.reshape(-1, x.shape[-1])
-    y, _ = rms_norm_op(rows if rows.stride(-1) == 1 else rows.contiguous(), weight, float(eps))
+    y, _ = rms_norm_op(_unit_stride(rows), weight, float(eps))
     return y.view(*x.shape[:-1], x.shape[-1])
 
 
