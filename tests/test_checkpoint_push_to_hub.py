@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 PATTERN = {"block_size": 16, "local_blocks": 2, "vert_stride": 4}
 EXPECTED_FILES = {"README.md", "config.json", "model.safetensors", "configuration_s2_llama.py", "modeling_s2_llama.py",
-                  "interface.py", "pattern.py", "torch_impl.py"}
+                  "interface.py", "pattern.py", "torch_impl.py", "fused.py", "fused_triton.py"}
 
 
 def tiny_config(**overrides):
