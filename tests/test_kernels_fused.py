@@ -7,10 +7,15 @@ the GPU test bfloat16 at the 1B model's sizes.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from attention_checks import ABS_FLOOR
+from test_modeling import tiny_config
+from test_static_cache import left_padded
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from s2_models import S2LlamaConfig, S2LlamaForCausalLM
@@ -297,6 +302,58 @@ def test_generation_runs_the_decode_projections():
     assert {name.split("::")[1] for name in recorded_ops["triton"]} == {"linear_group", "linear_swiglu"}
     assert recorded_ops["torch"] == set()
     assert torch.equal(tokens["triton"], tokens["torch"])
+
+
+# ---------------------------------------------------------------------------------------------- users' paths
+def _dense_s2_and_llama():
+    """An all-dense S2 model that runs the fused kernels (dense attention is SDPA, so nothing else changes) and
+    transformers' Llama with the same weights: the control."""
+    torch.manual_seed(0)
+    config = tiny_config("dense", s2_backend="triton")
+    llama = LlamaForCausalLM(LlamaConfig(**{k: getattr(config, k) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "max_position_embeddings")}, attn_implementation="sdpa")).to(DEVICE)
+    s2 = S2LlamaForCausalLM(config).to(DEVICE)
+    s2.load_state_dict(llama.state_dict())
+    return s2, llama
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_model_trains_like_llama_under_autocast(dtype):
+    """What ``Trainer(bf16=True)`` runs: float32 weights under autocast, a left-padded batch. Against Llama in
+    float64, the fused model's loss and gradients stay within 3x of Llama's own error under the same autocast."""
+    s2, llama = _dense_s2_and_llama()
+    truth = copy.deepcopy(llama).double()
+    ids, mask = left_padded(batch=2, length=48, pads=(0, 13), device=DEVICE)
+
+    def loss_and_gradients(model):
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+        loss.backward()
+        return torch.cat([loss.detach().view(1)] + [p.grad.flatten() for p in model.parameters()]).double()
+
+    expected = loss_and_gradients(truth)
+    errors = {}
+    for name, model in (("s2", s2), ("llama", llama)):
+        with torch.autocast(DEVICE, dtype=dtype):
+            errors[name] = (loss_and_gradients(model) - expected).abs().max().item()
+    assert 0 < errors["llama"] < 0.5, errors
+    assert errors["s2"] <= 3 * errors["llama"], errors
+
+
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_fused_generation_gives_llamas_tokens_for_padded_prompts(cache_implementation):
+    """Greedy ``generate`` over a left-padded batch (prompts of 19 and 40 real tokens): every decode step runs the
+    fused norms, rotary and decode projections, and the tokens are Llama's."""
+    s2, llama = _dense_s2_and_llama()
+    ids, mask = left_padded(batch=2, length=40, pads=(0, 21), device=DEVICE)
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with _RecordOps() as recorded:
+        ours = s2.generate(ids, cache_implementation=cache_implementation, **kwargs)
+    assert {"s2::linear_group", "s2::linear_swiglu", "s2::rms_norm", "s2::rotary"} <= {
+        "s2::" + name.split("::")[1] for name in recorded.names if "::" in name
+    }
+    assert torch.equal(ours, llama.generate(ids, **kwargs))
 
 
 def test_float64_and_the_torch_backend_never_fuse():

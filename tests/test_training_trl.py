@@ -45,20 +45,22 @@ def dataset():
     return Dataset.from_dict({"text": [p[:400] for p in paragraphs[:48]]})  # < 256 tokens: no truncation needed
 
 
-def sft_losses(checkpoint, dataset, out, steps=2, attn_implementation="s2", **options):
+def sft_losses(checkpoint, dataset, out, steps=2, attn_implementation="s2", s2_backend="auto", **options):
     from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
+    defaults = dict(per_device_train_batch_size=4, bf16=False)
     args = SFTConfig(
-        output_dir=str(out), max_steps=steps, per_device_train_batch_size=4, learning_rate=1e-2, logging_steps=1,
-        use_cpu=True, bf16=options.pop("bf16", False), report_to="none", save_strategy="no",
-        seed=0, disable_tqdm=True, model_init_kwargs={"attn_implementation": attn_implementation}, **options,
+        output_dir=str(out), max_steps=steps, learning_rate=1e-2, logging_steps=1, use_cpu=True, report_to="none",
+        save_strategy="no", seed=0, disable_tqdm=True,
+        model_init_kwargs={"attn_implementation": attn_implementation, "s2_backend": s2_backend},
+        **{**defaults, **options},
     )
     trainer = SFTTrainer(
         model=str(checkpoint), args=args, train_dataset=dataset,
         processing_class=AutoTokenizer.from_pretrained(checkpoint),
     )
-    assert isinstance(trainer.model, S2LlamaForCausalLM)
+    assert isinstance(trainer.model, S2LlamaForCausalLM) and trainer.model.config.s2_backend == s2_backend
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == steps and all(math.isfinite(loss) for loss in losses), losses
@@ -85,3 +87,13 @@ def test_sft_bf16_autocast_on_fp32_weights(checkpoint, dataset, tmp_path):
     """SFTTrainer's default precision: fp32 weights under bf16 autocast (here on the CPU)."""
     losses = sft_losses(checkpoint, dataset, tmp_path / "bf16", bf16=True, max_length=128)
     assert losses[0] == pytest.approx(math.log(2048), rel=0.1)
+
+
+def test_sft_with_the_triton_kernels_matches_transformers_code(checkpoint, dataset, tmp_path):
+    """``s2_backend="triton"`` (the interpreter here; what runs on CUDA): the attention kernels and the fused norms,
+    rotary and SwiGLU train with SFTTrainer's padded batches to the losses of the PyTorch path and Llama's code."""
+    # Two rows of up to 40 tokens a step: the interpreter runs every kernel program one by one.
+    small = dict(max_length=40, per_device_train_batch_size=2)
+    triton = sft_losses(checkpoint, dataset, tmp_path / "triton", s2_backend="triton", **small)
+    torch_path = sft_losses(checkpoint, dataset, tmp_path / "torch", s2_backend="torch", **small)
+    assert triton == pytest.approx(torch_path, rel=1e-4)
