@@ -17,12 +17,10 @@ torch is imported here; Triton is imported on first use.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
-from .interface import OP_NAMESPACE, check_backend
+from .interface import OP_NAMESPACE, check_backend, use_triton
 from .layouts import empty_heads_last
 
 # One Triton program holds a whole row of the norm: wider rows run transformers' RMSNorm.
@@ -32,19 +30,13 @@ MAX_DECODE_TOKENS = 16
 
 
 def use_fused_kernels(backend: str, x: torch.Tensor) -> bool:
-    """Whether ``backend`` (an S2 backend name) runs the fused Triton kernels for activations like ``x``.
-
-    ``"auto"``: on CUDA; ``"triton"``: also on the CPU under ``TRITON_INTERPRET=1``; ``"torch"``: never. float64
-    always runs PyTorch (Triton has no float64 matrix path, and the references are float64).
-    """
-    check_backend(backend)
+    """Whether ``backend`` (an S2 backend name) runs the fused Triton kernels for activations like ``x``: where it
+    runs the attention kernels (``interface.use_triton``). float64 always runs PyTorch (no Triton path; the
+    references are float64)."""
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        check_backend(backend)
         return False
-    if backend == "auto":
-        return x.is_cuda
-    if backend == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError('backend="triton" needs CUDA tensors (or TRITON_INTERPRET=1 to interpret on the CPU)')
-    return backend == "triton"
+    return use_triton(backend, x)
 
 
 def rotary_embedding_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
