@@ -125,6 +125,30 @@ def generate_speed(model, batch, length, steps=48, **generate_kwargs):
             "decode_step_ms": step * 1e3, "decode_tokens_per_s": batch / step, "steps_timed": len(intervals)}
 
 
+@torch.no_grad()
+def graph_replay_step(model, batch, length, replays=20):
+    """The decode step's GPU time alone: its CUDA graph (``S2StaticCache``'s, captured by two forwards after a prompt
+    of ``length``) replayed back to back, so no host work sits between steps. The median of 5 rounds of ``replays``;
+    what ``generate`` adds to it is host time (its per-step Python and the sync that ends each step)."""
+    cache = S2StaticCache(model.config, max_cache_len=length + 4 * replays * 5)  # room for the replays' tokens
+    prefill(model, batch, length, cache=cache)
+    ids = torch.randint(1, SHAPES["vocab_size"], (batch, 1), device="cuda")
+    for _ in range(3):  # eager, capture, replay
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    (captured,) = cache._graphs.values()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    rounds = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(replays):
+            captured.graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        rounds.append(start.elapsed_time(end) / replays)
+    return sorted(rounds)[len(rounds) // 2]
+
+
 class MarkedStepTimes(StepTimes):
     """``StepTimes`` that also marks each step's end in the profiler's timeline: after the criterion's sync, the GPU
     work between two marks is exactly one decode step (graph replay, argmax, the token appended)."""
@@ -142,7 +166,7 @@ STEP_MARK = "decode_step_end"
 # "rotary" count only the kernels only they launch and "elementwise" holds the rest (the per-name table is exact).
 # The fused kernels (kernels/fused_triton.py) have names of their own; the decode-sized projections are matmuls.
 KERNEL_CATEGORIES = (
-    ("decode attention", ("s2_decode_fwd", "s2_decode_combine")),
+    ("decode attention", ("s2_decode_fwd",)),
     ("cache append", ("s2_cache_append",)),
     ("matmuls", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "cublas", "wgmma", "_linear_group",
                  "_linear_swiglu")),
@@ -249,6 +273,8 @@ def speed_sections(results, variants, batches=(1, 8), length=32768, profile=Fals
             with sdpa_kernel(backends) if backends else contextlib.nullcontext():
                 section(results, f"{name}_b{batch}_32k",
                         functools.partial(generate_speed, model, batch, length, **generate_kwargs))
+                if name == "s2_static_cache_cuda_graphs" and "decode_step_ms" in results[f"{name}_b{batch}_32k"]:
+                    results[f"{name}_b{batch}_32k"]["graph_replay_step_ms"] = graph_replay_step(model, batch, length)
                 if profile:
                     section(results, f"{name}_b{batch}_32k_profile",
                             functools.partial(profile_step, model, batch, length, **generate_kwargs))

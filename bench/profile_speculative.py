@@ -132,8 +132,7 @@ class Counters:
             return original_sdpa(query, key, *args, **kwargs)
 
         F.scaled_dot_product_attention = sdpa
-        for kernel in (decode_triton.s2_decode_fwd_kernel, decode_triton.s2_decode_combine_kernel,
-                       decode_triton.s2_cache_append_kernel):
+        for kernel in (decode_triton.s2_decode_fwd_kernel, decode_triton.s2_cache_append_kernel):
             self._watch_specialisations(kernel)
 
     def _watch_specialisations(self, kernel):

@@ -13,7 +13,7 @@ import torch
 
 from s2_models.kernels import S2Pattern, s2_attention, triton_impl
 from s2_models.kernels.decode import CompactLayout, s2_cache_append, s2_decode_attention
-from s2_models.kernels.fused import linear_group, linear_swiglu, rms_norm, rotary_embedding, swiglu
+from s2_models.kernels.fused import add_rms_norm, linear_group, linear_swiglu, rms_norm, rotary_embedding, swiglu
 
 torch.manual_seed(0)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: TRITON_INTERPRET=1, to check the script itself
@@ -40,7 +40,9 @@ for dtype in (torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.flo
                             num_ring_slots=layout.num_ring_slots(n))
         ahead = torch.randn(2, 2, (slots + 7) * pattern.block_size, d, device=DEVICE, dtype=dtype)  # static cache
         s2_decode_attention(q.detach()[:, :, :1], ahead, ahead, seq_lens, layout, num_ring_slots=layout.ring_blocks,
-                            num_splits=3)
+                            num_splits=3)  # the last split merges the others
+        s2_decode_attention(q.detach()[:, :, :1], ahead, ahead, seq_lens, layout, num_ring_slots=layout.ring_blocks,
+                            num_splits=3, split_counters=torch.zeros(4, dtype=torch.int32, device=DEVICE))
         new = k.detach()[:, :, :3]
         s2_cache_append(cache, cache.clone(), new, new, seq_lens, layout, num_ring_slots=layout.num_ring_slots(n))
     # The fused RMSNorm (more rows than the backward's programs, odd width, row stride != width), SwiGLU (masked
@@ -48,6 +50,8 @@ for dtype in (torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.flo
     x = torch.randn(1031, 107, device=DEVICE, dtype=dtype)[:, :100].requires_grad_()
     weight = torch.randn(100, device=DEVICE, requires_grad=True)
     rms_norm(x, weight, 1e-6).float().sum().backward()
+    residual = torch.randn(1031, 100, device=DEVICE, requires_grad=True)  # float32 residual: a promoted sum
+    sum(t.float().sum() for t in add_rms_norm(x, residual, weight, 1e-6)).backward()
     gate, up = (torch.randn(3, 1031, device=DEVICE, dtype=dtype, requires_grad=True) for _ in "gu")
     swiglu(gate, up).float().sum().backward()
     q = torch.randn(3, 13, 6, 24, device=DEVICE, dtype=dtype).transpose(1, 2).requires_grad_()

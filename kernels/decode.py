@@ -153,6 +153,7 @@ def s2_decode_attention(
     scale: float | None = None,
     backend: str = "auto",
     num_splits: int | None = None,
+    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """S2 attention of the newest ``Tq`` tokens of every row over a compact cache.
 
@@ -167,6 +168,10 @@ def s2_decode_attention(
         backend: ``"auto"`` (Triton on CUDA, PyTorch elsewhere), ``"triton"`` (on CPU only with
             ``TRITON_INTERPRET=1``) or ``"torch"``.
         num_splits: split-KV factor of the Triton kernel (default: enough programs to fill the GPU).
+        split_counters: int32 ``[>= B * Hkv]`` on q's device, all zero, which the Triton kernel uses to find the
+            last split of each (row, KV head) and leaves zero again: a caller that decodes step after step keeps one
+            (the cache layers do) and saves a fill per call. ``None``, or too few for the call (long chunks), and
+            the call allocates its own.
 
     Returns:
         ``[B, Hq, Tq, D]`` in q's dtype (contiguous); rows of padding queries (or that see no key) are 0.
@@ -178,14 +183,21 @@ def s2_decode_attention(
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be an integer >= 1, got {num_splits!r}")
     check_backend(backend)
+    if split_counters is not None and (not isinstance(split_counters, torch.Tensor) or split_counters.dtype !=
+                                       torch.int32 or split_counters.dim() != 1 or split_counters.device != q.device):
+        raise ValueError(
+            f"split_counters must be a 1-D int32 tensor on q's device ({q.device}), got {split_counters!r}"
+        )
     return decode_attention_op(q, k_cache, v_cache, seq_lens, pattern_to_ints(layout.pattern), layout.ring_blocks,
-                               num_ring_slots, scale, backend, num_splits)
+                               num_ring_slots, scale, backend, num_splits, split_counters)
 
 
-@torch.library.custom_op(f"{OP_NAMESPACE}::decode_attention", mutates_args=())
+# split_counters is declared mutated although the kernel leaves it as it found it (zero): its values change while
+# the kernel runs.
+@torch.library.custom_op(f"{OP_NAMESPACE}::decode_attention", mutates_args=("split_counters",))
 def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                         pattern: list[int], ring_blocks: int, num_ring_slots: int, scale: float, backend: str,
-                        num_splits: int | None) -> torch.Tensor:
+                        num_splits: int | None, split_counters: torch.Tensor | None) -> torch.Tensor:
     """``s2_decode_attention`` with the layout as ``(pattern_to_ints(pattern), ring_blocks)`` (heads from shapes)."""
     layout = _layout_from_ints(tuple(pattern), q.shape[1], k_cache.shape[1], ring_blocks)
     if not use_triton(backend, q):
@@ -194,8 +206,8 @@ def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         from .decode_triton import decode_attention_triton
     except ImportError as e:  # no Triton on this machine
         raise ValueError(f'backend="triton" needs Triton, which failed to import: {e}') from e
-    return decode_attention_triton(q, k_cache, v_cache, seq_lens, layout, num_ring_slots, scale,
-                                   num_splits).contiguous()
+    return decode_attention_triton(q, k_cache, v_cache, seq_lens, layout, num_ring_slots, scale, num_splits,
+                                   split_counters=split_counters).contiguous()
 
 
 @decode_attention_op.register_fake

@@ -7,8 +7,10 @@ Entry point ``decode_attention_triton(q, k_cache, v_cache, seq_lens, layout, num
   is read once per query group (GQA without copies).
 * Split-KV: the slots a row fills (found in-kernel from its length, so slots allocated ahead, as in a static
   cache, cost nothing) are cut into ``num_splits`` contiguous ranges of whole key tiles; each program writes its
-  normalized partial output and log-sum-exp, and ``s2_decode_combine_kernel`` merges them. With one split the
-  main kernel writes the output directly. The grid depends only on shapes, so a CUDA graph can replay it.
+  normalized partial output and log-sum-exp, counts itself done on an int32 counter of its (row, KV head, row
+  tile), and the program that finishes last merges the splits and zeroes the counter again (no second launch: a
+  one-token step has ~25 us of work per sparse layer, and a combine launch cost ~3 us of it). With one split the
+  program writes the output directly. The grid depends only on shapes, so a CUDA graph can replay it.
 * The slot -> block map is inlined (``_slot_blocks``, the same rule as ``decode.slot_blocks``): no block table.
 * A few compiled variants serve every chunk length and cache size: tile heights do not follow ``Tq`` (16 query rows,
   or 64 once a chunk has more), and the arguments that change from call to call (``Tq``, slot and split counts,
@@ -50,7 +52,7 @@ def _slot_blocks(slot, last, kv_residues, kv_rank, num_vertical, num_ring, RING_
 
 
 # Tile heights independent of the chunk length (see the module docstring): query rows of a decode program (a
-# one-token step's query group fits the small tile), and new tokens per program of the append and combine kernels.
+# one-token step's query group fits the small tile), and new tokens per program of the append kernel.
 SMALL_ROW_TILE, LARGE_ROW_TILE = 16, 64
 TOKENS_PER_PROGRAM = 16
 # Arguments that change between calls of one layer, which Triton must not specialise on (see the module docstring):
@@ -81,11 +83,12 @@ def launch_specialisation(kernel, args: tuple, kwargs: dict) -> tuple:
 
 @triton.jit(do_not_specialize=("seqlen_q", "num_ring", "num_slots", "num_splits", *_LSE_STRIDES))
 def s2_decode_fwd_kernel(
-    q, k_cache, v_cache, seq_lens, residues, ranks, counts, out, lse,
+    q, k_cache, v_cache, seq_lens, residues, ranks, counts, out, partial, lse, split_counters,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
-    stride_os, stride_ob, stride_oh, stride_ot, stride_od,  # out [splits, B, Hq, Tq, D] (stride_os = 0: 1 split)
+    stride_ob, stride_oh, stride_ot, stride_od,  # out [B, Hq, Tq, D]
+    stride_ps, stride_pb, stride_ph, stride_pt,  # partial [splits, B, Hq, Tq, D] float32, unit stride on D
     stride_ls, stride_lb, stride_lh, stride_lt,  # lse [splits, B, Hq, Tq] float32 (log2 units)
     stride_rh,  # residues/ranks/vertical_upto [Hkv, vert_stride]
     vertical_upto,  # int32 [Hkv, vert_stride]: how many of the KV head's residues are <= r
@@ -165,50 +168,40 @@ def s2_decode_fwd_kernel(
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
     row_ok = t < seqlen_q
-    o_ptrs = out + split.to(tl.int64) * stride_os + batch.to(tl.int64) * stride_ob
-    o_ptrs += q_head.to(tl.int64)[:, None] * stride_oh + t.to(tl.int64)[:, None] * stride_ot + d[None, :] * stride_od
-    tl.store(o_ptrs, (acc / l_safe[:, None]).to(out.dtype.element_ty), mask=row_mask(row_ok, HEAD_DIM, BLOCK_D))
-    l_ptrs = lse + split.to(tl.int64) * stride_ls + batch.to(tl.int64) * stride_lb
-    l_ptrs += q_head.to(tl.int64) * stride_lh + t.to(tl.int64) * stride_lt
-    tl.store(l_ptrs, tl.where(seen, m_i + tl.math.log2(l_safe), -float("inf")), mask=row_ok)
-
-
-@triton.jit(do_not_specialize=("seqlen_q", "num_splits", *_LSE_STRIDES))
-def s2_decode_combine_kernel(
-    partial, partial_lse, out,  # [splits, B, Hq, Tq, D] float32, [splits, B, Hq, Tq] float32 (log2), [B, Hq, Tq, D]
-    stride_ps, stride_pb, stride_ph, stride_pt, stride_pd,
-    stride_ls, stride_lb, stride_lh, stride_lt,
-    stride_ob, stride_oh, stride_ot, stride_od,
-    num_q_heads, seqlen_q, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-):
-    """Grid ``(cdiv(Tq, BLOCK_T), B * Hq)``: ``out = sum_s exp2(lse_s - lse) * out_s``."""
-    batch = tl.program_id(1) // num_q_heads
-    head = tl.program_id(1) % num_q_heads
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < seqlen_q
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    lse_base = partial_lse + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + t.to(tl.int64) * stride_lt
-    base = partial + batch.to(tl.int64) * stride_pb + head.to(tl.int64) * stride_ph
-    base += t.to(tl.int64)[:, None] * stride_pt + d[None, :] * stride_pd
-    m = tl.full([BLOCK_T], -float("inf"), dtype=tl.float32)
-    total = tl.zeros([BLOCK_T], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
-    for split in range(0, num_splits):
-        lse_s = tl.load(lse_base + split * stride_ls, mask=t_ok, other=-float("inf"))
-        m_new = tl.maximum(m, lse_s)
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m - m_safe)
-        w = tl.math.exp2(lse_s - m_safe)
-        o_s = tl.load(base + split * stride_ps, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + w[:, None] * o_s
-        total = total * alpha + w
-        m = m_new
-    result = acc / tl.where(total > 0, total, 1.0)[:, None]
-    o_ptrs = out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+    o_mask = row_mask(row_ok, HEAD_DIM, BLOCK_D)
+    o_ptrs = out + batch.to(tl.int64) * stride_ob + q_head.to(tl.int64)[:, None] * stride_oh
     o_ptrs += t.to(tl.int64)[:, None] * stride_ot + d[None, :] * stride_od
-    tl.store(o_ptrs, result.to(out.dtype.element_ty), mask=t_ok[:, None] & d_ok[None, :])
+    if num_splits == 1:
+        tl.store(o_ptrs, (acc / l_safe[:, None]).to(out.dtype.element_ty), mask=o_mask)
+    else:
+        # [BLOCK_M] / [BLOCK_M, BLOCK_D] offsets of this program's rows in split 0 of lse / partial
+        l_rows = batch.to(tl.int64) * stride_lb + q_head.to(tl.int64) * stride_lh + t.to(tl.int64) * stride_lt
+        p_rows = batch.to(tl.int64) * stride_pb + q_head.to(tl.int64) * stride_ph + t.to(tl.int64) * stride_pt
+        p_rows = p_rows[:, None] + d[None, :]
+        tl.store(partial + split.to(tl.int64) * stride_ps + p_rows, acc / l_safe[:, None], mask=o_mask)
+        tl.store(lse + split.to(tl.int64) * stride_ls + l_rows, tl.where(seen, m_i + tl.math.log2(l_safe),
+                                                                         -float("inf")), mask=row_ok)
+        # Every thread's stores precede the counter's release (barrier, then the acq_rel atomic); the last
+        # program's acquire makes the other splits' stores visible to it, and its loads skip L1 (.cg).
+        tl.debug_barrier()
+        counter = split_counters + tl.program_id(2) * tl.num_programs(1) + row_tile
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            tl.store(counter, 0)  # every split has counted: zero for the next launch (a replayed graph's too)
+            m = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+            total = tl.zeros([BLOCK_M], dtype=tl.float32)
+            merged = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            for s in range(0, num_splits):
+                lse_s = tl.load(lse + s * stride_ls + l_rows, mask=row_ok, other=-float("inf"), cache_modifier=".cg")
+                m_new = tl.maximum(m, lse_s)
+                m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+                alpha = tl.math.exp2(m - m_safe)
+                w = tl.math.exp2(lse_s - m_safe)
+                o_s = tl.load(partial + s * stride_ps + p_rows, mask=o_mask, other=0.0, cache_modifier=".cg")
+                merged = merged * alpha[:, None] + w[:, None] * o_s
+                total = total * alpha + w
+                m = m_new
+            result = merged / tl.where(total > 0, total, 1.0)[:, None]
+            tl.store(o_ptrs, result.to(out.dtype.element_ty), mask=o_mask)
 
 
 @functools.lru_cache(maxsize=8)
@@ -236,10 +229,13 @@ class DecodeTiles:
 
 
 def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout, num_ring: int, scale: float,
-                            num_splits: int | None, tiles: DecodeTiles | None = None):
+                            num_splits: int | None, tiles: DecodeTiles | None = None,
+                            split_counters: torch.Tensor | None = None):
     """Backend of ``decode.s2_decode_attention`` (inputs validated there). Returns ``[B, Hq, Tq, D]``.
 
-    ``tiles`` overrides the default launch shape (``bench/bench_generation.py`` sweeps it)."""
+    ``tiles`` overrides the default launch shape (``bench/bench_generation.py`` sweeps it). ``split_counters``:
+    zeroed int32 counters that the kernel leaves zeroed, used when there are enough (one per (row, KV head, row
+    tile)); otherwise a zeroed buffer is allocated for the call."""
     b, hq, tq, d = q.shape
     hkv, bs = layout.num_kv_heads, layout.block_size
     num_slots = k_cache.shape[2] // bs
@@ -257,18 +253,25 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
     num_splits = max(1, min(num_splits, num_tiles))
 
     out = torch.empty_like(q)
-    if num_splits == 1:
-        target = out.unsqueeze(0)  # [1, B, Hq, Tq, D]
+    # Split outputs, their log-sum-exps and the counters exist only with splits; with one, empty stand-ins of the
+    # same dtypes keep the compiled variant the same (the strides passed are those of the full shapes either way).
+    partial_shape = (num_splits, b, hq, tq, d)
+    if num_splits > 1:
+        partial = torch.empty(partial_shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty(partial_shape[:-1], dtype=torch.float32, device=q.device)
+        programs = num_row_tiles * b * hkv
+        if split_counters is None or split_counters.numel() < programs:
+            split_counters = torch.zeros(programs, dtype=torch.int32, device=q.device)
     else:
-        target = torch.empty(num_splits, b, hq, tq, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(num_splits, b, hq, tq, dtype=torch.float32, device=q.device)
-    s_os = target.stride(0) if num_splits > 1 else 0
+        partial = lse = torch.empty(0, dtype=torch.float32, device=q.device)
+        split_counters = torch.empty(0, dtype=torch.int32, device=q.device)
     num_heads = layout.num_pattern_heads
     grid = (num_splits, num_row_tiles, b * hkv)
     s2_decode_fwd_kernel[grid](
-        q, k_cache, v_cache, seq_lens, tables.residues, tables.rank, tables.counts, target, lse,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(),
-        s_os, *target.stride()[1:], *lse.stride(), tables.residues.stride(0), tables.vertical_upto,
+        q, k_cache, v_cache, seq_lens, tables.residues, tables.rank, tables.counts, out, partial, lse, split_counters,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+        *_contiguous_strides(partial_shape)[:-1], *_contiguous_strides(partial_shape[:-1]),
+        tables.residues.stride(0), tables.vertical_upto,
         hkv, tq, num_ring, num_slots, num_splits, scale * LOG2E,
         layout.q_heads_per_kv, layout.q_heads_per_pattern, num_heads, pattern.num_dense_heads,
         pattern.head_step(num_heads), pattern.head_sliding_offset,
@@ -277,12 +280,15 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    if num_splits > 1:
-        s2_decode_combine_kernel[(triton.cdiv(tq, TOKENS_PER_PROGRAM), b * hq)](
-            target, lse, out, *target.stride(), *lse.stride(), *out.stride(),
-            hq, tq, num_splits, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_T=TOKENS_PER_PROGRAM, num_warps=4,
-        )
     return out
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 @triton.jit(do_not_specialize=("seqlen_q", "num_ring"))

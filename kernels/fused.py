@@ -4,6 +4,7 @@ The S2 model calls these where its attention runs Triton (``use_fused_kernels``)
 elsewhere; the results agree with those functions to rounding (see ``fused_triton.py``)::
 
     y = rms_norm(x, weight, eps)                      # LlamaRMSNorm: x [..., N], weight [N]
+    y, summed = add_rms_norm(x, residual, weight, eps)  # summed = residual + x; y = rms_norm(summed, weight, eps)
     h = swiglu(gate, up)                              # LlamaMLP's act_fn(gate) * up, act_fn = silu
     q, k = rotary_embedding(q, k, cos, sin)           # apply_rotary_pos_emb: q [B, Hq, T, D], k [B, Hk, T, D],
                                                       # cos/sin [B or 1, T, D] (LlamaRotaryEmbedding's output)
@@ -71,13 +72,30 @@ def decode_projections_fit(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> b
 # ---------------------------------------------------------------------------------------------- public ops
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``LlamaRMSNorm``: ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` over the last dim, in one kernel."""
+    _check_norm_shapes(x, weight)
+    rows = x.reshape(-1, x.shape[-1])
+    y, _ = rms_norm_op(_unit_stride(rows), weight, float(eps))
+    return y.view(*x.shape[:-1], x.shape[-1])
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``summed = residual + x`` (PyTorch's dtype promotion) and ``rms_norm(summed, weight, eps)`` in one kernel:
+    a decoder layer's residual add and the norm after it. Returns ``(normed, summed)``."""
+    if residual.shape != x.shape:
+        raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    _check_norm_shapes(x, weight)
+    n = x.shape[-1]
+    y, summed, _ = add_rms_norm_op(_unit_stride(x.reshape(-1, n)), _unit_stride(residual.reshape(-1, n)), weight,
+                                   float(eps))
+    return y.view(x.shape), summed.view(x.shape)
+
+
+def _check_norm_shapes(x: torch.Tensor, weight: torch.Tensor) -> None:
     if weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
         raise ValueError(f"weight must be [{x.shape[-1]}] (x's last dim), got {tuple(weight.shape)}")
     if not 0 < x.shape[-1] <= MAX_NORM_WIDTH:
         raise ValueError(f"x's last dim must be in 1..{MAX_NORM_WIDTH}, got {x.shape[-1]}")
-    rows = x.reshape(-1, x.shape[-1])
-    y, _ = rms_norm_op(_unit_stride(rows), weight, float(eps))
-    return y.view(*x.shape[:-1], x.shape[-1])
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -128,13 +146,14 @@ def _decode_rows(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     return _unit_stride(x.reshape(-1, k))
 
 
-# ---------------------------------------------------------------------------------------------- RMSNorm op
+# ---------------------------------------------------------------------------------------------- RMSNorm ops
 @torch.library.custom_op(f"{OP_NAMESPACE}::rms_norm", mutates_args=())
 def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, N]`` -> ``(y [M, N], rstd [M] float32)``."""
     from .fused_triton import rms_norm_fwd
 
-    return rms_norm_fwd(x, weight, eps)
+    y, rstd, _ = rms_norm_fwd(x, weight, eps)
+    return y, rstd
 
 
 @rms_norm_op.register_fake
@@ -143,16 +162,35 @@ def _rms_norm_fake(x, weight, eps):
                                                                                                 dtype=torch.float32)
 
 
+@torch.library.custom_op(f"{OP_NAMESPACE}::add_rms_norm", mutates_args=())
+def add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x, residual [M, N]`` -> ``(y [M, N], summed [M, N], rstd [M] float32)``."""
+    from .fused_triton import rms_norm_fwd
+
+    y, rstd, summed = rms_norm_fwd(x, weight, eps, residual)
+    return y, summed, rstd
+
+
+@add_rms_norm_op.register_fake
+def _add_rms_norm_fake(x, residual, weight, eps):
+    summed = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
+    y = x.new_empty(x.shape, dtype=torch.promote_types(summed.dtype, weight.dtype))
+    return y, summed, x.new_empty(x.shape[0], dtype=torch.float32)
+
+
 @torch.library.custom_op(f"{OP_NAMESPACE}::rms_norm_backward", mutates_args=())
-def rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                         rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                         dsum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients for ``x`` and ``weight``; ``dsum``: the gradient of ``x`` itself when it is ``add_rms_norm``'s
+    ``summed`` (added to dx)."""
     from .fused_triton import rms_norm_bwd
 
-    return rms_norm_bwd(dy.contiguous(), x, weight, rstd)
+    return rms_norm_bwd(dy.contiguous(), x, weight, rstd, None if dsum is None else dsum.contiguous())
 
 
 @rms_norm_backward_op.register_fake
-def _rms_norm_backward_fake(dy, x, weight, rstd):
+def _rms_norm_backward_fake(dy, x, weight, rstd, dsum=None):
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
@@ -168,6 +206,22 @@ def _rms_norm_backward(ctx, dy, _drstd):
 
 
 rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup_context)
+
+
+def _add_rms_norm_setup_context(ctx, inputs, output):
+    x, residual, weight, _ = inputs
+    ctx.input_dtypes = x.dtype, residual.dtype
+    ctx.save_for_backward(output[1], weight, output[2])
+
+
+def _add_rms_norm_backward(ctx, dy, dsummed, _drstd):
+    summed, weight, rstd = ctx.saved_tensors
+    dsum, dweight = rms_norm_backward_op(dy, summed, weight, rstd, dsummed)
+    x_dtype, residual_dtype = ctx.input_dtypes
+    return dsum.to(x_dtype), dsum.to(residual_dtype), dweight, None
+
+
+add_rms_norm_op.register_autograd(_add_rms_norm_backward, setup_context=_add_rms_norm_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------- SwiGLU op

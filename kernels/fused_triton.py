@@ -5,8 +5,9 @@ Each replaces a chain of PyTorch kernels with one pass over memory (transformers
 forward, rotary ~10 for q and k, ``silu(gate) * up`` 2); the decode-sized projections read q, k and v's weights in one
 launch, and gate and up's with SwiGLU applied. Entry points (launchers, called by ``fused.py``):
 
-    y, rstd = rms_norm_fwd(x, weight, eps)          # x [M, N]; y [M, N] in promote(x, weight); rstd [M] float32
-    dx, dweight = rms_norm_bwd(dy, x, weight, rstd)
+    y, rstd, _ = rms_norm_fwd(x, weight, eps)       # x [M, N]; y [M, N] in promote(x, weight); rstd [M] float32
+    y, rstd, summed = rms_norm_fwd(x, weight, eps, residual)   # the norm of summed = residual + x
+    dx, dweight = rms_norm_bwd(dy, x, weight, rstd[, dsum])
     out = swiglu_fwd(gate, up)                        # silu(gate) * up, any shape (contiguous), one dtype
     dgate, dup = swiglu_bwd(dout, gate, up)
     rotary_apply(q, k, cos, sin, q_out, k_out, backward)   # q [B, Hq, T, D], k [B, Hk, T, D], cos/sin [B|1, T, D]
@@ -33,11 +34,16 @@ def _row_warps(block: int) -> int:
 
 # ---------------------------------------------------------------------------------------------- RMSNorm
 @triton.jit
-def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, stride_x, stride_y, eps, BLOCK_N: tl.constexpr):
+def _rms_norm_fwd_kernel(x_ptr, residual_ptr, w_ptr, y_ptr, sum_ptr, rstd_ptr, N, stride_x, stride_r, stride_y,
+                         stride_s, eps, BLOCK_N: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     in_row = cols < N
     x = tl.load(x_ptr + row * stride_x + cols, mask=in_row, other=0.0)
+    if ADD_RESIDUAL:  # the decoder layer's `residual + x`, rounded as PyTorch rounds it, then normalized
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=in_row, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * stride_s + cols, x, mask=in_row)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
     normed = (xf * rstd).to(x.dtype).to(tl.float32)  # LlamaRMSNorm rounds to the input dtype before the weight
@@ -47,9 +53,10 @@ def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, stride_x, stride_y, e
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, M, N, stride_dy, stride_x,
-                         stride_dx, BLOCK_N: tl.constexpr):
+def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dsum_ptr, dx_ptr, dw_partial_ptr, M, N, stride_dy,
+                         stride_x, stride_ds, stride_dx, BLOCK_N: tl.constexpr, ADD_DSUM: tl.constexpr):
     # Program p handles rows p, p + P, p + 2P, ... and writes its share of dweight to row p of dw_partial [P, N].
+    # ADD_DSUM: x was `residual + x'`, also used on its own, whose gradient dsum adds to dx.
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
@@ -60,6 +67,7 @@ def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
     first, step = pid.to(tl.int64), programs.to(tl.int64)
     dy_row, x_row, dx_row, rstd_row = (dy_ptr + first * stride_dy, x_ptr + first * stride_x,
                                        dx_ptr + first * stride_dx, rstd_ptr + first)
+    dsum_row = dsum_ptr + first * stride_ds
     for _ in tl.range(pid, M, programs):
         x = tl.load(x_row + cols, mask=in_row, other=0.0)
         xf = x.to(tl.float32)
@@ -70,6 +78,9 @@ def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
         dnormed = dy * w
         # d/dx of x * rsqrt(mean(x^2) + eps): rstd * (dn - n * mean(dn * n))
         dx = rstd * (dnormed - normed * (tl.sum(dnormed * normed, axis=0) / N))
+        if ADD_DSUM:
+            dx += tl.load(dsum_row + cols, mask=in_row, other=0.0).to(tl.float32)
+            dsum_row += step * stride_ds
         tl.store(dx_row + cols, dx.to(dx_ptr.dtype.element_ty), mask=in_row)
         dy_row += step * stride_dy
         x_row += step * stride_x
@@ -78,28 +89,38 @@ def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
     tl.store(dw_partial_ptr + pid.to(tl.int64) * N + cols, dw, mask=in_row)
 
 
-def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, N]`` (unit column stride) -> ``(y [M, N], rstd [M] float32)``."""
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``x [M, N]`` (unit column stride) -> ``(y [M, N], rstd [M] float32, summed)``. With ``residual [M, N]`` the
+    norm is of ``summed = residual + x`` (in ``promote(residual, x)``), returned too; else ``summed`` is None."""
     m, n = x.shape
-    y = torch.empty((m, n), device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
+    summed = None
+    if residual is not None:
+        summed = torch.empty((m, n), device=x.device, dtype=torch.promote_types(x.dtype, residual.dtype))
+    normed_dtype = x.dtype if summed is None else summed.dtype
+    y = torch.empty((m, n), device=x.device, dtype=torch.promote_types(normed_dtype, weight.dtype))
     rstd = torch.empty(m, device=x.device, dtype=torch.float32)
     block = triton.next_power_of_2(n)
     if m:
-        _rms_norm_fwd_kernel[(m,)](x, weight, y, rstd, n, x.stride(0), y.stride(0), eps, BLOCK_N=block,
-                                   num_warps=_row_warps(block))
-    return y, rstd
+        r, s = (x, x) if summed is None else (residual, summed)  # stand-ins, unread without a residual
+        _rms_norm_fwd_kernel[(m,)](x, r, weight, y, s, rstd, n, x.stride(0), r.stride(0), y.stride(0), s.stride(0),
+                                   eps, BLOCK_N=block, ADD_RESIDUAL=summed is not None, num_warps=_row_warps(block),)
+    return y, rstd, summed
 
 
-def rms_norm_bwd(dy, x, weight, rstd) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of ``rms_norm_fwd`` for ``x`` (in x's dtype) and ``weight`` (in weight's dtype)."""
+def rms_norm_bwd(dy, x, weight, rstd, dsum=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``rms_norm_fwd`` for ``x`` (in x's dtype; plus ``dsum`` when x was a sum also used on its own)
+    and ``weight`` (in weight's dtype)."""
     m, n = x.shape
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     programs = max(1, min(m, _parallel_programs(x.device)))
     dw_partial = torch.empty((programs, n), device=x.device, dtype=torch.float32)
     block = triton.next_power_of_2(n)
     if m:
-        _rms_norm_bwd_kernel[(programs,)](dy, x, weight, rstd, dx, dw_partial, m, n, dy.stride(0), x.stride(0),
-                                          dx.stride(0), BLOCK_N=block, num_warps=_row_warps(block))
+        ds = dy if dsum is None else dsum  # a stand-in, unread without dsum
+        _rms_norm_bwd_kernel[(programs,)](dy, x, weight, rstd, ds, dx, dw_partial, m, n, dy.stride(0), x.stride(0),
+                                          ds.stride(0), dx.stride(0), BLOCK_N=block, ADD_DSUM=dsum is not None,
+                                          num_warps=_row_warps(block))
     else:
         dw_partial.zero_()
     return dx, dw_partial.sum(0).to(weight.dtype)

@@ -85,6 +85,7 @@ class S2CacheLayer(DynamicLayer):
         self.layout: CompactLayout | None = None  # fixed by the first update_and_attend
         self.num_ring = 0  # allocated ring slots
         self.seq_lens: torch.Tensor | None = None  # int64 [B] real tokens per row
+        self.split_counters: torch.Tensor | None = None  # int32 [B * Hkv], zero between calls (decode kernel's)
         self.num_seen = 0  # tokens seen, padding included (what get_seq_length reports)
         self.crop_floor: torch.Tensor | None = None  # int64 [B]: the fewest real tokens a crop may leave per row
         self.recent_real: torch.Tensor | None = None  # bool [B, m]: which of the newest m columns are real tokens
@@ -267,7 +268,7 @@ class S2CacheLayer(DynamicLayer):
         self.num_seen, self.seq_lens = num_seen, seq_lens
         self._raise_crop_floor()
         out = s2_decode_attention(query, self.keys, self.values, seq_lens, self.layout, num_ring_slots=self.num_ring,
-                                  scale=scaling, backend=backend)
+                                  scale=scaling, backend=backend, split_counters=self.split_counters)
         return out if new_real is None else out.masked_fill(~new_real[:, None, :, None], 0)
 
     def _steady_ring_blocks(self, pattern: S2Pattern) -> int:
@@ -319,6 +320,7 @@ class S2CacheLayer(DynamicLayer):
         self.keys = self._gather_prompt(key, columns, seq_lens, num_slots)
         self.values = self._gather_prompt(value, columns, seq_lens, num_slots)
         self.seq_lens, self.num_seen, self.is_initialized = seq_lens, tq, True
+        self.split_counters = torch.zeros(batch * num_kv, dtype=torch.int32, device=key.device)
         self._raise_crop_floor()
 
     def _prompt_slots(self, num_tokens: int) -> tuple[int, int]:

@@ -46,6 +46,7 @@ from .cache_s2_llama import S2CacheLayer, s2_cache_layer, set_default_rollback
 from .configuration_s2_llama import DENSE, FULL_ATTENTION, S2_ATTENTION, S2LlamaConfig
 from .kernels.fused import (
     MAX_NORM_WIDTH,
+    add_rms_norm,
     decode_projections_fit,
     linear_group,
     linear_swiglu,
@@ -439,9 +440,22 @@ class S2LlamaRMSNorm(LlamaRMSNorm):
         self.config = config
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if use_fused_kernels(self.config.s2_backend, hidden_states) and hidden_states.shape[-1] <= MAX_NORM_WIDTH:
+        if self._fused(hidden_states):
             return rms_norm(hidden_states, self.weight, self.variance_epsilon)
         return super().forward(hidden_states)
+
+    def add_and_norm(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(residual + hidden_states), residual + hidden_states)``: a decoder layer's residual add and this
+        norm, in one kernel where the norm is fused. A module with hooks or a replaced ``forward`` is called as
+        usual, so it sees what it would see in Llama."""
+        plain = not (self._forward_hooks or self._forward_pre_hooks or "forward" in self.__dict__)
+        if plain and self._fused(hidden_states) and residual.shape == hidden_states.shape:
+            return add_rms_norm(hidden_states, residual, self.weight, self.variance_epsilon)
+        summed = residual + hidden_states
+        return self(summed), summed
+
+    def _fused(self, hidden_states: torch.Tensor) -> bool:
+        return use_fused_kernels(self.config.s2_backend, hidden_states) and hidden_states.shape[-1] <= MAX_NORM_WIDTH
 
 
 class S2LlamaMLP(LlamaMLP):
@@ -492,10 +506,7 @@ class S2LlamaDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        hidden_states = residual + hidden_states
-
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states, residual = self.post_attention_layernorm.add_and_norm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
         return residual + hidden_states
 

@@ -137,11 +137,13 @@ class S2StaticLayer(S2CacheLayer):
         s2_cache_append(self.keys, self.values, key, value, self.seq_lens, self.layout, num_ring_slots=self.num_ring,
                         backend=backend)
         return s2_decode_attention(query, self.keys, self.values, self.seq_lens, self.layout,
-                                   num_ring_slots=self.num_ring, scale=scaling, backend=backend)
+                                   num_ring_slots=self.num_ring, scale=scaling, backend=backend,
+                                   split_counters=self.split_counters)
 
     def _store_prompt(self, *args, **kwargs):
         super()._store_prompt(*args, **kwargs)
-        for storage in (self.keys, self.values, self.seq_lens):  # fixed addresses: compiled steps need no copies
+        # Fixed addresses: compiled steps need no copies.
+        for storage in (self.keys, self.values, self.seq_lens, self.split_counters):
             torch._dynamo.mark_static_address(storage)
 
     def _select_rows(self, index: torch.Tensor, name: str, allow_resize: bool = False) -> None:

@@ -78,8 +78,9 @@ def test_decode_and_cache_append_ops_pass_opcheck():
     layout, seq_lens, num_ring, k_cache, v_cache = decode_problem()
     pattern = pattern_to_ints(layout.pattern)
     q = torch.randn(2, 4, 1, 16)
-    torch.library.opcheck(decode_attention_op, (q, k_cache, v_cache, seq_lens, pattern, layout.ring_blocks, num_ring,
-                                                0.25, "torch", None))
+    for split_counters in (None, torch.zeros(4, dtype=torch.int32)):
+        torch.library.opcheck(decode_attention_op, (q, k_cache, v_cache, seq_lens, pattern, layout.ring_blocks,
+                                                    num_ring, 0.25, "torch", None, split_counters))
     key, value = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16)
     torch.library.opcheck(cache_append_op, (k_cache, v_cache, key, value, seq_lens + 1, pattern, 4,
                                             layout.ring_blocks, num_ring, "torch"))

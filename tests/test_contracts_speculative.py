@@ -176,12 +176,11 @@ def test_speculative_decoding_on_gpu_gives_the_greedy_tokens():
 # JIT compile per new chunk length, no cuDNN plan per new shape, no tile tuning or mask building per forward, no
 # storage moved back and forth around crops. Counted here, never timed (bench/bench_speculative.py times them).
 def record_specialisations(monkeypatch) -> dict:
-    """Kernel name -> the specialisations its launches asked for, for the decode, combine and append kernels."""
+    """Kernel name -> the specialisations its launches asked for, for the decode and append kernels."""
     from s2_models.kernels import decode_triton
 
     seen = {}
-    for kernel in (decode_triton.s2_decode_fwd_kernel, decode_triton.s2_decode_combine_kernel,
-                   decode_triton.s2_cache_append_kernel):
+    for kernel in (decode_triton.s2_decode_fwd_kernel, decode_triton.s2_cache_append_kernel):
         def run(*args, grid, warmup, _kernel=kernel, _run=kernel.run, **kwargs):
             seen.setdefault(_kernel.fn.__name__, set()).add(decode_triton.launch_specialisation(_kernel, args, kwargs))
             return _run(*args, grid=grid, warmup=warmup, **kwargs)
@@ -192,8 +191,8 @@ def record_specialisations(monkeypatch) -> dict:
 
 def test_verify_forwards_of_any_length_reuse_the_compiled_kernels(monkeypatch):
     """Forwards of 1 to 17 tokens with crops in between, as speculative decoding makes them, over a growing cache
-    (Triton kernels, split-KV on): the decode kernel is specialised for two tile heights only, append and combine
-    for one, so a GPU compiles nothing after the first verify forward; no tile tuning and no block mask either."""
+    (Triton kernels, split-KV on): the decode kernel is specialised for two tile heights only, append for one, so a
+    GPU compiles nothing after the first verify forward; no tile tuning and no block mask either."""
     from s2_models.kernels import decode_triton, pattern, triton_impl
 
     model = tiny_model(0)
@@ -214,7 +213,7 @@ def test_verify_forwards_of_any_length_reuse_the_compiled_kernels(monkeypatch):
             cache.crop(-rejected)
             seen += tq - rejected
     assert len(specialisations["s2_decode_fwd_kernel"]) == 2  # the 16-row and the 64-row tile
-    assert len(specialisations["s2_cache_append_kernel"]) == len(specialisations["s2_decode_combine_kernel"]) == 1
+    assert len(specialisations["s2_cache_append_kernel"]) == 1
     assert not tuned and pattern._block_mask.cache_info().misses == masks_built
 
 

@@ -126,6 +126,59 @@ def test_unfilled_slots_may_hold_nan(pattern, dtype):
         torch.testing.assert_close(out.double().cpu(), ref.double(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("tq", [1, 9])
+def test_split_counters_are_left_zero_and_reused(tq):
+    """The split-KV kernel merges in the program that finishes last, found with one counter per (row, KV head, row
+    tile): a caller's counters come back zero, so call after call (a cache's steps) reuses them and stays exact; too
+    few counters (a long chunk has more row tiles) and the call uses its own."""
+    pattern = PATTERNS[2]
+    for counters in (torch.zeros(2 * 2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)):
+        counters = counters.to(DEVICE)
+        for _ in range(3):
+            lens = [random.randint(tq, 300), random.randint(1, 300)]
+            q, kc, vc, seq_lens, layout, num_ring, ref = case(pattern, torch.float32, tq, lens)
+            on_device = [t.to(DEVICE) for t in (q, kc, vc, seq_lens)]
+            out = s2_decode_attention(*on_device, layout, num_ring_slots=num_ring, backend="triton", num_splits=3,
+                                      split_counters=counters)
+            torch.testing.assert_close(out.double().cpu(), ref.double(), atol=1e-5, rtol=1e-5)
+            assert not counters.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [2, 5, 16])
+def test_split_merge_across_programs_on_gpu(num_splits):
+    """On a GPU the splits of one row run at the same time: the last to finish must see every other split's output
+    (the counter's release/acquire). Many rows and splits, one counter buffer, a CUDA graph replayed over fresh
+    inputs, each replay against the PyTorch path."""
+    pattern = S2Pattern(block_size=64, local_blocks=4, vert_stride=8)
+    b, hkv, group, d, t = 16, 8, 4, 64, 8192
+    layout = CompactLayout(pattern, hkv * group, hkv, ring_blocks_for(pattern, 1))
+    seq_lens = torch.randint(t // 2, t + 1, (b,))
+    k, v = (torch.randn(b, hkv, t, d, dtype=torch.float16) for _ in range(2))
+    kc, num_ring = compact_cache(k, seq_lens, layout)
+    vc, _ = compact_cache(v, seq_lens, layout)
+    kc, vc, seq_lens = kc.cuda(), vc.cuda(), seq_lens.cuda()
+    q = torch.empty(b, hkv * group, 1, d, dtype=torch.float16, device="cuda")
+    counters = torch.zeros(b * hkv, dtype=torch.int32, device="cuda")
+
+    def step():
+        return s2_decode_attention(q, kc, vc, seq_lens, layout, num_ring_slots=num_ring, backend="triton",
+                                   num_splits=num_splits, split_counters=counters)
+
+    q.normal_()
+    step()  # compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(20):
+        q.normal_()
+        kc.normal_()
+        graph.replay()
+        expected = s2_decode_attention(q, kc, vc, seq_lens, layout, num_ring_slots=num_ring, backend="torch")
+        torch.testing.assert_close(out.float(), expected.float(), atol=2e-3, rtol=2e-3)
+    assert not counters.any()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tq", [1, 64])
@@ -155,6 +208,8 @@ def test_bad_input():
         s2_decode_attention(q[:, :2], kc, vc, seq_lens, layout, num_ring_slots=num_ring)
     with pytest.raises(ValueError, match="backend"):
         s2_decode_attention(q, kc, vc, seq_lens, layout, num_ring_slots=num_ring, backend="cuda")
+    with pytest.raises(ValueError, match="split_counters"):
+        s2_decode_attention(q, kc, vc, seq_lens, layout, num_ring_slots=num_ring, split_counters=torch.zeros(4))
     with pytest.raises(ValueError, match="ring_blocks"):
         CompactLayout(pattern, 4, 2, ring_blocks=1)
 

@@ -21,6 +21,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 from s2_models import S2LlamaConfig, S2LlamaForCausalLM
 from s2_models.kernels.fused import (
     MAX_DECODE_TOKENS,
+    add_rms_norm,
+    add_rms_norm_op,
     decode_projections_fit,
     linear_group,
     linear_group_op,
@@ -101,11 +103,49 @@ def test_rms_norm_matches_llama(dtype, weight_dtype):
                          (x, weight.requires_grad_()))
 
 
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+@pytest.mark.parametrize("residual_dtype", ["same", torch.float32])
+def test_add_rms_norm_matches_llamas_residual_add_and_norm(dtype, residual_dtype):
+    # The decoder layer's `residual + x` then the norm, both outputs and the gradients of x, residual and weight;
+    # a float32 residual (float32 embeddings under autocast) over 16-bit x promotes the sum as PyTorch does.
+    x = (torch.randn(3, 13, 107, dtype=dtype, device=DEVICE) * 2)[:, :, :100].requires_grad_()
+    residual = torch.randn(3, 13, 100, device=DEVICE).to(dtype if residual_dtype == "same" else residual_dtype)
+    weight = (1 + 0.1 * torch.randn(100, device=DEVICE)).to(dtype)
+
+    def llama(x_, residual_, weight_):
+        summed = residual_ + x_
+        return llama_rms_norm(summed, weight_, 1e-5), summed
+
+    assert_matches_llama(lambda *args: add_rms_norm(*args, 1e-5), llama,
+                         (x, residual.requires_grad_(), weight.requires_grad_()))
+
+
+def test_add_and_norm_of_a_hooked_norm_runs_its_forward():
+    """A norm module with a hook is called as transformers' Llama calls it (the hook sees the summed tensor); a
+    plain one runs the fused add."""
+    model = _tiny_model("triton")
+    norm = model.model.layers[0].post_attention_layernorm
+    x, residual = torch.randn(2, 5, 64, device=DEVICE), torch.randn(2, 5, 64, device=DEVICE)
+    with _RecordOps() as recorded:
+        plain = norm.add_and_norm(x, residual)
+    assert "s2::add_rms_norm" in recorded.names
+    seen = []
+    norm.register_forward_hook(lambda module, args, out: seen.append(args[0]))
+    with _RecordOps() as recorded:
+        hooked = norm.add_and_norm(x, residual)
+    assert "s2::add_rms_norm" not in recorded.names
+    torch.testing.assert_close(seen[0], residual + x)
+    for a, b in zip(plain, hooked):
+        torch.testing.assert_close(a, b)
+
+
 def test_rms_norm_keeps_leading_dims_and_rejects_bad_weights():
     x = torch.randn(2, 3, 48, device=DEVICE)
     assert rms_norm(x, torch.ones(48, device=DEVICE), 1e-6).shape == (2, 3, 48)
     with pytest.raises(ValueError, match=r"weight must be \[48\]"):
         rms_norm(x, torch.ones(47, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="residual must have x's shape"):
+        add_rms_norm(x, x[:1], torch.ones(48, device=DEVICE), 1e-6)
 
 
 # ---------------------------------------------------------------------------------------------- SwiGLU
@@ -238,6 +278,9 @@ def test_custom_ops_pass_opcheck():
     for op, args in (
         (rms_norm_op, (x.requires_grad_(), w.requires_grad_(), 1e-6)),
         (rms_norm_backward_op, (grad(y), x.detach(), w.detach(), rstd)),
+        (add_rms_norm_op, (x.detach().requires_grad_(), torch.randn(5, 48, device=DEVICE).requires_grad_(),
+                           w.detach().requires_grad_(), 1e-6)),
+        (rms_norm_backward_op, (grad(y), x.detach(), w.detach(), rstd, grad(y))),
         (swiglu_op, (gate.requires_grad_(), up.requires_grad_())),
         (swiglu_backward_op, (grad(gate), gate.detach(), up.detach())),
         (rotary_op, (q.requires_grad_(), k.requires_grad_(), cos, sin)),
@@ -279,10 +322,11 @@ def test_model_runs_the_fused_kernels_only_where_triton_runs():
             out = model(ids, labels=ids)
             out.loss.backward()
         fused = {name.split("::")[1] for name in recorded.names if name.split("::")[1] in
-                 ("rms_norm", "rms_norm_backward", "swiglu", "swiglu_backward", "rotary", "rotary_backward")}
+                 ("rms_norm", "add_rms_norm", "rms_norm_backward", "swiglu", "swiglu_backward", "rotary",
+                  "rotary_backward")}
         results[backend] = out.logits, {n: p.grad for n, p in model.named_parameters()}, fused
-    assert results["triton"][2] == {"rms_norm", "rms_norm_backward", "swiglu", "swiglu_backward", "rotary",
-                                    "rotary_backward"}
+    assert results["triton"][2] == {"rms_norm", "add_rms_norm", "rms_norm_backward", "swiglu", "swiglu_backward",
+                                    "rotary", "rotary_backward"}
     assert results["torch"][2] == set()
     torch.testing.assert_close(results["triton"][0], results["torch"][0], atol=1e-4, rtol=1e-4)
     for name, grad in results["torch"][1].items():
