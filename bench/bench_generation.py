@@ -16,10 +16,12 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import time
 import traceback
 from dataclasses import asdict
 
+import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
@@ -377,10 +379,59 @@ def kernel_bandwidth(sparse, batch, length):
     return results
 
 
+LAUNCH_SHAPES = ((8, 4096), (8, 8192), (8, 16384), (8, 32768), (8, 65536), (8, 131072), (1, 32768), (4, 32768),
+                 (16, 32768), (32, 32768))  # (batch, context) of one sparse layer's decode launch
+
+
+def launch_sizes(sparse):
+    """How far one launch's size limits its bandwidth: the decode kernel on full compact caches of a sparse layer
+    (synthetic, ``LAUNCH_SHAPES``) beside PyTorch's ``sum`` (reads the same bytes) and ``copy_`` (reads half, writes
+    half) of the same bytes in one launch, as fractions of the copy ceiling of this run. Fit over batch 8:
+    time = fixed + bytes / bandwidth."""
+    cache = S2StaticCache(sparse.config, max_cache_len=256)
+    prefill(sparse, 1, 128, cache=cache)  # fixes the layers' layouts (the static cache's ring size)
+    layout = next(layer for layer in cache.layers if layer.is_sparse).layout
+    copy_bw = copy_bandwidth()
+    rows = []
+    for batch, length in LAUNCH_SHAPES:
+        rows.append({"batch": batch, "context": length, **launch_size_row(layout, batch, length, copy_bw)})
+        torch.cuda.empty_cache()
+    batch8 = [r for r in rows if r["batch"] == 8]
+    slope, fixed = np.polyfit([r["bytes"] for r in batch8], [r["decode"]["us"] for r in batch8], 1)
+    return {"copy_GBps": copy_bw / 1e9, "rows": rows, "decode_fit_batch8": {"fixed_us": fixed, "TBps": 1 / slope / 1e6}}
+
+
+def launch_size_row(layout, batch, length, copy_bw):
+    """One row of ``launch_sizes``: each timing a CUDA graph over distinct buffers of >= 400 MB in all, so the L2
+    cache serves none of them."""
+    num_ring = layout.num_ring_slots(length)
+    d = SHAPES["head_dim"]
+    shape = (batch, layout.num_kv_heads, (num_ring + layout.num_vertical_slots(length)) * layout.block_size, d)
+    nbytes = 2 * 2 * math.prod(shape)  # K and V, bf16
+    buffers = max(4, -(-400_000_000 // nbytes))
+    caches = [[torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)] for _ in range(buffers)]
+    seq_lens = torch.full((batch,), length, device="cuda", dtype=torch.int32)
+    q = torch.randn(batch, layout.num_q_heads, 1, d, device="cuda", dtype=torch.bfloat16)
+    flat = [torch.cat([k.flatten(), v.flatten()]) for k, v in caches]
+    halves = [(x[: x.numel() // 2], torch.empty(x.numel() // 2, device="cuda", dtype=x.dtype)) for x in flat]
+    total = torch.empty((), device="cuda", dtype=torch.float32)
+    runs = {
+        "decode": lambda: [decode_attention_triton(q, k, v, seq_lens, layout, num_ring, d ** -0.5, None)
+                           for k, v in caches],
+        "torch_sum": lambda: [torch.sum(x, dim=(0,), dtype=torch.float32, out=total) for x in flat],
+        "torch_copy": lambda: [dst.copy_(src) for src, dst in halves],
+    }
+    row = {"bytes": nbytes}
+    for name, run in runs.items():
+        seconds = min(graph_seconds(run, calls=2) for _ in range(3)) / buffers
+        row[name] = {"us": seconds * 1e6, "fraction_of_copy_bandwidth": nbytes / seconds / copy_bw}
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--sections", default="memory32k,memory128k,speed,bandwidth")
+    parser.add_argument("--sections", default="memory32k,memory128k,speed,bandwidth,launches")
     parser.add_argument("--variants", default=",".join(SPEED_VARIANTS), help="speed: which of SPEED_VARIANTS")
     parser.add_argument("--batches", default="1,8", help="speed: batch sizes")
     parser.add_argument("--profile", action="store_true", help="speed: also profile each variant's decode step")
@@ -396,6 +447,8 @@ def main():
         section(results, "memory_128k", functools.partial(memory, sparse, 131072))
     if "bandwidth" in wanted:
         section(results, "decode_kernel_bandwidth_b8_32k", functools.partial(kernel_bandwidth, sparse, 8, 32768))
+    if "launches" in wanted:
+        section(results, "decode_launch_sizes", functools.partial(launch_sizes, sparse))
     del sparse
     torch.cuda.empty_cache()
     if "speed" in wanted:
