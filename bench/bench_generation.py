@@ -110,14 +110,15 @@ class StepTimes(StoppingCriteria):
 
 
 @torch.no_grad()
-def generate_speed(model, batch, length, steps=48, **generate_kwargs):
+def generate_speed(model, batch, length, steps=48, stamps=None, **generate_kwargs):
     """End to end through ``generate`` (greedy, no EOS): time to the first token (the prefill) and the median time
-    of the later steps. The warm-up call compiles what needs compiling (Triton tiles, torch.compile graphs)."""
+    of the later steps. The warm-up call compiles what needs compiling (Triton tiles, torch.compile graphs).
+    ``stamps``: the ``StepTimes`` to record into (a fresh one by default)."""
     # no pad token (0) in the prompt: generate would read it as padding and mask it
     ids = torch.randint(1, SHAPES["vocab_size"], (batch, length), device="cuda")
     kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0, **generate_kwargs)
     model.generate(ids, max_new_tokens=4, **kwargs)
-    stamps = StepTimes()
+    stamps = stamps or StepTimes()
     torch.cuda.synchronize()
     start = time.perf_counter()
     model.generate(ids, max_new_tokens=steps, stopping_criteria=StoppingCriteriaList([stamps]), **kwargs)
@@ -379,6 +380,43 @@ def kernel_bandwidth(sparse, batch, length):
     return results
 
 
+@torch.no_grad()
+def host_wait(sparse, batch=8, length=32768, rounds=2):
+    """The decode step through ``generate`` (static cache, CUDA graphs) with S2's decode-step input preparation
+    (``S2LlamaForCausalLM.prepare_inputs_for_generation``) and with transformers' own, alternated ``rounds`` times,
+    beside the graph replayed back to back (the GPU's part). Each step also records the host's wait: from the end of
+    the stopping criteria (``StepTimes``, after a sync: the GPU is idle from there) to the next replay's launch."""
+    from transformers import GenerationMixin
+
+    from s2_models.static_cache_s2_llama import _CapturedStep
+
+    launches = []
+    replay = _CapturedStep.replay
+
+    def stamped_replay(self, *args):
+        launches.append(time.perf_counter())
+        return replay(self, *args)
+
+    arms = {"s2_preparation": S2LlamaForCausalLM.prepare_inputs_for_generation,
+            "transformers_preparation": GenerationMixin.prepare_inputs_for_generation}
+    results = {"graph_replay_step_ms": graph_replay_step(sparse, batch, length)}
+    _CapturedStep.replay = stamped_replay
+    try:
+        for round_ in range(rounds):
+            for arm, prepare in arms.items():
+                S2LlamaForCausalLM.prepare_inputs_for_generation = prepare
+                launches.clear()
+                stamps = StepTimes()
+                run = generate_speed(sparse, batch, length, stamps=stamps, cache_implementation="static")
+                ends = stamps.times[3:]
+                waits = sorted(b - a for a, b in zip(ends, [t for t in launches if t > ends[0]]))
+                results[f"{arm}_{round_}"] = {**run, "host_wait_us": waits[len(waits) // 2] * 1e6}
+    finally:
+        _CapturedStep.replay = replay
+        S2LlamaForCausalLM.prepare_inputs_for_generation = arms["s2_preparation"]
+    return results
+
+
 LAUNCH_SHAPES = ((8, 4096), (8, 8192), (8, 16384), (8, 32768), (8, 65536), (8, 131072), (1, 32768), (4, 32768),
                  (16, 32768), (32, 32768))  # (batch, context) of one sparse layer's decode launch
 
@@ -431,7 +469,7 @@ def launch_size_row(layout, batch, length, copy_bw):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--sections", default="memory32k,memory128k,speed,bandwidth,launches")
+    parser.add_argument("--sections", default="memory32k,memory128k,speed,bandwidth,launches,host")
     parser.add_argument("--variants", default=",".join(SPEED_VARIANTS), help="speed: which of SPEED_VARIANTS")
     parser.add_argument("--batches", default="1,8", help="speed: batch sizes")
     parser.add_argument("--profile", action="store_true", help="speed: also profile each variant's decode step")
@@ -449,6 +487,8 @@ def main():
         section(results, "decode_kernel_bandwidth_b8_32k", functools.partial(kernel_bandwidth, sparse, 8, 32768))
     if "launches" in wanted:
         section(results, "decode_launch_sizes", functools.partial(launch_sizes, sparse))
+    if "host" in wanted:
+        section(results, "host_wait_b8_32k", functools.partial(host_wait, sparse))
     del sparse
     torch.cuda.empty_cache()
     if "speed" in wanted:

@@ -68,6 +68,11 @@ S2_IMPLEMENTATION = "s2"
 # deprecation warning). S2 models take either name (``resolve_cache``) and hand the cache on under this name, the one
 # the installed transformers uses, so that its generation loop and output classes find it in every version.
 CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+# What generate() passes to prepare_inputs_for_generation at a decode step (with optional output requests), and which
+# of those the model's forward does not get there (transformers' version drops the same ones).
+_STATIC_DECODE_KWARGS = frozenset({CACHE_NAME, "attention_mask", "position_ids", "use_cache", "logits_to_keep",
+                                   "output_attentions", "output_hidden_states", "inputs_embeds", "is_first_iteration"})
+_DROPPED_AT_STATIC_DECODE = frozenset({"attention_mask", "position_ids", "inputs_embeds", "is_first_iteration"})
 # Implementations that apply the sparse patterns; any implementation runs an all-dense model.
 SPARSE_CAPABLE_IMPLEMENTATIONS = (S2_IMPLEMENTATION, "sdpa", "eager")
 
@@ -820,6 +825,30 @@ class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
         )
 
 
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, **kwargs):
+        """transformers' input preparation, except for a decode step over an ``S2StaticCache`` (one new token per row
+        after the prompt): the step's ``input_ids`` and ``position_ids`` are views of the last column, and no mask
+        (S2's ``create_masks_for_generate`` drops it there: the cache holds each row's length). transformers' version
+        clones both and builds a mask; with CUDA graphs those launches run between the previous step's stop check,
+        which waits for the GPU, and the replay, so the GPU idles through them. The replay copies the views into its
+        graph's buffers; transformers' compiled step gets contiguous copies (``get_compiled_call``). Other steps,
+        caches and inputs go to transformers' version."""
+        cache = kwargs.get(CACHE_NAME)
+        if not (
+            next_sequence_length == 1
+            and not kwargs.get("is_first_iteration")
+            and kwargs.keys() <= _STATIC_DECODE_KWARGS
+            and isinstance(cache, S2StaticCache)
+            and cache.get_seq_length() > 0
+            and input_ids.get_device() == cache.layers[0].keys.get_device()  # else transformers' moves them
+        ):
+            return super().prepare_inputs_for_generation(input_ids, next_sequence_length, **kwargs)
+        model_inputs = {key: value for key, value in kwargs.items() if key not in _DROPPED_AT_STATIC_DECODE}
+        model_inputs["input_ids"] = input_ids[:, -1:]
+        if (position_ids := kwargs.get("position_ids")) is not None:
+            model_inputs["position_ids"] = position_ids[..., -1:]
+        return model_inputs
+
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
         """transformers' cache preparation; for assisted and prompt-lookup decoding the compact S2 layers of a new
         cache also keep room to roll back the drafts of the first forward (prompt plus drafts), which are then
@@ -850,6 +879,9 @@ class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
             if not isinstance(cache, S2StaticCache):
                 return compiled_call(*args, **kwargs)
             new_tokens = kwargs["input_ids"] if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
+            for name in ("input_ids", "position_ids"):  # views from prepare_inputs_for_generation: fixed strides
+                if kwargs.get(name) is not None:
+                    kwargs[name] = kwargs[name].clone(memory_format=torch.contiguous_format)
             with cache.compiled_step(new_tokens.shape[1]):
                 return compiled_call(*args, **kwargs)
 

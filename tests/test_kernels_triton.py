@@ -362,18 +362,22 @@ WARP_SPECIALIZED_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("programs", [None, 3], ids=["one-per-sm", "3-programs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", range(len(WARP_SPECIALIZED_CASES)))
-def test_gpu_warp_specialized_forward(monkeypatch, case, dtype):
+def test_gpu_warp_specialized_forward(monkeypatch, case, dtype, programs):
     """The Gluon forward (hopper_fwd.py) against the float64 reference: odd lengths, GQA, Tq < Tk, one pattern per
     query head, dense heads, the [B, T, H, D] projection output behind a transpose, key tiles of one list entry
-    (blocks >= 64) or gathered from two (block 32); it must really run."""
+    (blocks >= 64) or gathered from two (block 32); it must really run. With 3 programs each one runs many work
+    items in turn, so an item's Q, ring steps and first scores are handed over from the item before."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialized forward is for compute capability 9.0")
     (batch, q_heads, kv_heads, q_len, k_len, head_dim), fields, memory = WARP_SPECIALIZED_CASES[case]
     size = "small" if head_dim <= 64 else "medium"
     monkeypatch.setitem(triton_impl._CANDIDATES, ("fwd", size), triton_impl._WARP_SPECIALIZED_FWD)
     monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})
+    if programs is not None:
+        monkeypatch.setattr(triton_impl.hopper_fwd, "_num_sms", lambda device: programs)
     launches = []
     launch = triton_impl.hopper_fwd.launch
     monkeypatch.setattr(triton_impl.hopper_fwd, "launch", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
@@ -391,12 +395,16 @@ def test_gpu_warp_specialized_forward(monkeypatch, case, dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_warp_specialized_forward_varlen(monkeypatch):
-    """Packed sequences (an empty one, one shorter than a tile) through the Gluon forward."""
+@pytest.mark.parametrize("programs", [None, 2], ids=["one-per-sm", "2-programs"])
+def test_gpu_warp_specialized_forward_varlen(monkeypatch, programs):
+    """Packed sequences (an empty one, one shorter than a tile) through the Gluon forward; with 2 programs, work items
+    with no steps (past a sequence's end) sit between items that have some."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialized forward is for compute capability 9.0")
     monkeypatch.setitem(triton_impl._CANDIDATES, ("fwd", "medium"), [triton_impl._WARP_SPECIALIZED_FWD[0]])
     monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})
+    if programs is not None:
+        monkeypatch.setattr(triton_impl.hopper_fwd, "_num_sms", lambda device: programs)
     lens = [1000, 0, 1, 2047, 700]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     pattern = S2Pattern(block_size=64, local_blocks=4, vert_stride=8)

@@ -4,10 +4,11 @@ import pytest
 import torch
 from test_cache import PATTERN, tiny_model
 from test_modeling import tiny_model as dense_model_of
-from transformers import StaticCache
+from transformers import GenerationMixin, StaticCache
 
 from s2_models.cache_s2_llama import kv_cache_bytes
 from s2_models.kernels.pattern import S2Pattern
+from s2_models.modeling_s2_llama import CACHE_NAME
 from s2_models.static_cache_s2_llama import DENSE_LAYER_PATTERN, S2StaticCache, S2StaticLayer
 
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -42,6 +43,34 @@ def test_create_masks_for_generate_takes_the_cache_under_either_name():
         cache = S2StaticCache(model.config, 64, cuda_graphs=False)
         assert model.create_masks_for_generate(model.config, embeds, mask, **{name: cache}) is mask  # the prompt's
     assert model.create_masks_for_generate(model.config, embeds, mask, S2StaticCache(model.config, 64)) is mask
+
+
+def test_decode_step_inputs_equal_transformers_preparation():
+    """At a static-cache decode step S2's prepare_inputs_for_generation returns what transformers' version returns
+    (views instead of copies; the cache's own create_masks_for_generate drops the mask in both); other steps and
+    caches go to transformers' version, and a right-padded generate still equals the dynamic cache."""
+    model = tiny_model()
+    ids, mask = left_padded(batch=2, length=40, pads=(0, 9))
+    cache = S2StaticCache(model.config, max_cache_len=64)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    grown = torch.cat([ids, ids[:, :1]], 1)
+    positions = torch.cat([mask.cumsum(-1) - 1, mask.sum(-1, keepdim=True)], 1).clamp(min=0)
+    step = dict(attention_mask=torch.cat([mask, mask[:, :1] * 0 + 1], 1), position_ids=positions, use_cache=True,
+                logits_to_keep=0, output_hidden_states=False, **{CACHE_NAME: cache})
+    ours = model.prepare_inputs_for_generation(grown, next_sequence_length=1, **step)
+    theirs = GenerationMixin.prepare_inputs_for_generation(model, grown, next_sequence_length=1, **step)
+    assert ours.keys() == theirs.keys() and "attention_mask" not in ours
+    for key, value in theirs.items():
+        assert torch.equal(ours[key], value) if isinstance(value, torch.Tensor) else ours[key] is value
+    assert ours["input_ids"].data_ptr() == grown[:, -1:].data_ptr()  # a view: no copy launched
+    prompt = model.prepare_inputs_for_generation(grown, next_sequence_length=41, is_first_iteration=True, **step)
+    assert prompt["input_ids"].shape == (2, 41) and prompt["input_ids"].is_contiguous()  # transformers' path
+    right = torch.randint(3, 100, (2, 30))
+    right_mask = torch.ones_like(right)
+    right_mask[1, 22:] = 0
+    kwargs = dict(attention_mask=right_mask, max_new_tokens=12, **GREEDY)
+    assert torch.equal(model.generate(right, cache_implementation="static", **kwargs), model.generate(right, **kwargs))
 
 
 def test_beam_search_and_sampling_equal_the_dynamic_cache():

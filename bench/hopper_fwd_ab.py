@@ -1,0 +1,115 @@
+"""The warp-specialized forward (kernels/hopper_fwd.py) against an earlier version of that file, forced tiles (GPU).
+
+Each version runs as the tuner's only forward candidate (``triton_impl._WARP_SPECIALIZED_FWD``), the two alternated
+``--rounds`` times in one process at issue 9's shapes (bf16, causal, H=32, vert_stride 16, heterogeneous heads;
+``do_bench`` medians), after the worst relative error of each against the fp32 PyTorch path on odd shapes (with few
+programs, so that every program runs many work items). The earlier version is a copy of ``hopper_fwd.py`` from the
+commit to compare with; it is loaded as a module of ``s2_models.kernels`` so that its relative imports resolve::
+
+    git show HEAD~1:kernels/hopper_fwd.py > .gpu/hopper_fwd_before.py
+    python bench/hopper_fwd_ab.py --before .gpu/hopper_fwd_before.py --out $OUT/hopper_fwd_ab.json
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+
+os.environ["S2_ATTENTION_AUTOTUNE"] = "0"  # the one forced candidate
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from s2_models.kernels import S2Pattern, s2_attention, triton_impl  # noqa: E402
+
+# name, block size, local blocks, batch, seqlen, q heads, kv heads, head dim
+SHAPES = [
+    ("block 64, 1 x 131072", 64, 16, 1, 131072, 32, 32, 128),
+    ("block 64, 4 x 32768", 64, 16, 4, 32768, 32, 32, 128),
+    ("block 64, 16 x 8192", 64, 16, 16, 8192, 32, 32, 128),
+    ("block 128, 8 x 16384", 128, 8, 8, 16384, 32, 32, 128),
+    ("block 32, 8 x 16384", 32, 32, 8, 16384, 32, 32, 128),
+    ("GQA 32/8, block 64, 4 x 32768", 64, 16, 4, 32768, 32, 8, 128),
+    ("D=64, block 64, 4 x 32768", 64, 16, 4, 32768, 32, 32, 64),
+]
+# (batch, Hq, Hkv, T, D), block size: odd lengths, GQA, the three unit sizes
+ERROR_CASES = [((2, 8, 2, 1999, 128), 64), ((1, 8, 8, 3001, 64), 128), ((2, 4, 2, 1501, 128), 32)]
+
+
+def load_before(path: str):
+    spec = importlib.util.spec_from_file_location("s2_models.kernels._hopper_fwd_before", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ONE_PER_SM = {}  # module -> its own _num_sms
+
+
+def use(module, programs=None) -> None:
+    """Run ``module``'s kernel as the only forward candidate (with ``programs`` programs, or one per SM)."""
+    triton_impl.hopper_fwd = module
+    ONE_PER_SM.setdefault(module, module._num_sms)
+    module._num_sms = (lambda device: programs) if programs else ONE_PER_SM[module]
+    for size in ("small", "medium"):
+        triton_impl._CANDIDATES[("fwd", size)] = [triton_impl.TileConfig(module.BLOCK_M, 64, 4, 3, True)]
+    triton_impl._TUNED_CONFIGS.clear()
+
+
+def worst_error(module) -> dict:
+    """Worst relative error of out and lse over ERROR_CASES, against the fp32 PyTorch path (PyTorch's own bf16 path
+    beside it), with 4 programs."""
+    use(module, programs=4)
+    worst = {"kernel_out": 0.0, "kernel_lse": 0.0, "torch_bf16_out": 0.0}
+    for seed, ((batch, q_heads, kv_heads, seqlen, head_dim), block_size) in enumerate(ERROR_CASES):
+        torch.manual_seed(seed)
+        q = torch.randn(batch, q_heads, seqlen, head_dim, device="cuda")
+        k, v = (torch.randn(batch, kv_heads, seqlen, head_dim, device="cuda") for _ in range(2))
+        pattern = S2Pattern(block_size=block_size, local_blocks=3, vert_stride=4)
+        ref, ref_lse = s2_attention(q, k, v, pattern, backend="torch", return_lse=True)
+        low = [x.bfloat16() for x in (q, k, v)]
+        out, lse = s2_attention(*low, pattern, backend="triton", return_lse=True)
+        torch_out = s2_attention(*low, pattern, backend="torch")
+        for key, x, r in (("kernel_out", out, ref), ("kernel_lse", lse, ref_lse), ("torch_bf16_out", torch_out, ref)):
+            assert not x.float().isnan().any(), key
+            worst[key] = max(worst[key], ((x.float() - r).norm() / r.norm()).item())
+    use(module)
+    return worst
+
+
+def forward_ms(bs, local, batch, seqlen, q_heads, kv_heads, head_dim) -> float:
+    pattern = S2Pattern(block_size=bs, local_blocks=local, vert_stride=16)
+    q = torch.randn(batch, q_heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, kv_heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return triton.testing.do_bench(lambda: s2_attention(q, k, v, pattern, backend="triton"), warmup=25, rep=200,
+                                   return_mode="median")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", required=True, help="a copy of hopper_fwd.py to compare with")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    versions = {"after": triton_impl.hopper_fwd, "before": load_before(args.before)}
+    results = {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
+               "errors": {name: worst_error(module) for name, module in versions.items()}, "ms": {}}
+    print(json.dumps(results["errors"]), flush=True)
+    for round_ in range(args.rounds):
+        for name, module in versions.items():
+            use(module)
+            for shape_name, *shape in SHAPES:
+                ms = forward_ms(*shape)
+                results["ms"].setdefault(shape_name, {}).setdefault(name, []).append(round(ms, 3))
+                print(round_, name, shape_name, round(ms, 3), flush=True)
+                torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print("\n| shape | before ms (each round) | after ms (each round) | before / after, means |")
+    for shape_name, runs in results["ms"].items():
+        before, after = (sum(runs[name]) / len(runs[name]) for name in ("before", "after"))
+        print(f"| {shape_name} | {runs['before']} | {runs['after']} | {before / after:.3f}x |")
+
+
+if __name__ == "__main__":
+    main()
