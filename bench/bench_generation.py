@@ -118,7 +118,7 @@ def generate_speed(model, batch, length, steps=48, stamps=None, **generate_kwarg
     ids = torch.randint(1, SHAPES["vocab_size"], (batch, length), device="cuda")
     kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0, **generate_kwargs)
     model.generate(ids, max_new_tokens=4, **kwargs)
-    stamps = stamps or StepTimes()
+    stamps = StepTimes() if stamps is None else stamps
     torch.cuda.synchronize()
     start = time.perf_counter()
     model.generate(ids, max_new_tokens=steps, stopping_criteria=StoppingCriteriaList([stamps]), **kwargs)

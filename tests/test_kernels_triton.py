@@ -369,7 +369,7 @@ def test_gpu_warp_specialized_forward(monkeypatch, case, dtype, programs):
     """The Gluon forward (hopper_fwd.py) against the float64 reference: odd lengths, GQA, Tq < Tk, one pattern per
     query head, dense heads, the [B, T, H, D] projection output behind a transpose, key tiles of one list entry
     (blocks >= 64) or gathered from two (block 32); it must really run. With 3 programs each one runs many work
-    items in turn, so an item's Q, ring steps and first scores are handed over from the item before."""
+    items in turn, so that an item's Q and K/V ring steps follow the item before it in the same program."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialized forward is for compute capability 9.0")
     (batch, q_heads, kv_heads, q_len, k_len, head_dim), fields, memory = WARP_SPECIALIZED_CASES[case]
