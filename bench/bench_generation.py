@@ -98,13 +98,18 @@ def memory(sparse, length):
 
 
 class StepTimes(StoppingCriteria):
-    """Stopping criterion that never stops and records when ``generate`` finished each step (after a sync)."""
+    """Stopping criterion that never stops and records when ``generate`` finished each step. It syncs at the first
+    step (the prompt's end: the time to first token) and, with ``sync_every_step``, at every step; otherwise not,
+    so that it does not hold back a ``generate`` whose host runs a step ahead of the GPU (S2's deferred stop check):
+    the intervals between steps are the step time either way, once the steps are warm."""
 
-    def __init__(self):
+    def __init__(self, sync_every_step: bool = False):
         self.times = []
+        self.sync_every_step = sync_every_step
 
     def __call__(self, input_ids, scores, **kwargs):
-        torch.cuda.synchronize()
+        if self.sync_every_step or not self.times:
+            torch.cuda.synchronize()
         self.times.append(time.perf_counter())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -153,8 +158,11 @@ def graph_replay_step(model, batch, length, replays=20):
 
 
 class MarkedStepTimes(StepTimes):
-    """``StepTimes`` that also marks each step's end in the profiler's timeline: after the criterion's sync, the GPU
-    work between two marks is exactly one decode step (graph replay, argmax, the token appended)."""
+    """``StepTimes`` that also marks each step's end in the profiler's timeline: after the criterion's sync (every
+    step), the GPU work between two marks is exactly one decode step (graph replay, argmax, the token appended)."""
+
+    def __init__(self):
+        super().__init__(sync_every_step=True)
 
     def __call__(self, input_ids, scores, **kwargs):
         done = super().__call__(input_ids, scores, **kwargs)
@@ -381,39 +389,25 @@ def kernel_bandwidth(sparse, batch, length):
 
 
 @torch.no_grad()
-def host_wait(sparse, batch=8, length=32768, rounds=2):
-    """The decode step through ``generate`` (static cache, CUDA graphs) with S2's decode-step input preparation
-    (``S2LlamaForCausalLM.prepare_inputs_for_generation``) and with transformers' own, alternated ``rounds`` times,
-    beside the graph replayed back to back (the GPU's part). Each step also records the host's wait: from the end of
-    the stopping criteria (``StepTimes``, after a sync: the GPU is idle from there) to the next replay's launch."""
+def stop_check_ab(sparse, length=32768, batches=(8, 1), rounds=2):
+    """The decode step through ``generate`` (static cache, CUDA graphs) with S2's sampling loop, which reads the
+    stop flag one step late (``_S2DeferredStopCheck``: the host queues the next step while the GPU runs this one),
+    and with transformers' loop (a sync at every step's stop check), alternated ``rounds`` times, beside the graph
+    replayed back to back (the GPU's part of a step)."""
     from transformers import GenerationMixin
 
-    from s2_models.static_cache_s2_llama import _CapturedStep
-
-    launches = []
-    replay = _CapturedStep.replay
-
-    def stamped_replay(self, *args):
-        launches.append(time.perf_counter())
-        return replay(self, *args)
-
-    arms = {"s2_preparation": S2LlamaForCausalLM.prepare_inputs_for_generation,
-            "transformers_preparation": GenerationMixin.prepare_inputs_for_generation}
-    results = {"graph_replay_step_ms": graph_replay_step(sparse, batch, length)}
-    _CapturedStep.replay = stamped_replay
-    try:
-        for round_ in range(rounds):
-            for arm, prepare in arms.items():
-                S2LlamaForCausalLM.prepare_inputs_for_generation = prepare
-                launches.clear()
-                stamps = StepTimes()
-                run = generate_speed(sparse, batch, length, stamps=stamps, cache_implementation="static")
-                ends = stamps.times[3:]
-                waits = sorted(b - a for a, b in zip(ends, [t for t in launches if t > ends[0]]))
-                results[f"{arm}_{round_}"] = {**run, "host_wait_us": waits[len(waits) // 2] * 1e6}
-    finally:
-        _CapturedStep.replay = replay
-        S2LlamaForCausalLM.prepare_inputs_for_generation = arms["s2_preparation"]
+    arms = {"deferred_stop_check": S2LlamaForCausalLM._sample, "per_step_stop_check": GenerationMixin._sample}
+    results = {}
+    for batch in batches:
+        results[f"graph_replay_step_ms_b{batch}"] = graph_replay_step(sparse, batch, length)
+        try:
+            for round_ in range(rounds):
+                for arm, sample in arms.items():
+                    S2LlamaForCausalLM._sample = sample
+                    run = generate_speed(sparse, batch, length, cache_implementation="static")
+                    results[f"{arm}_b{batch}_{round_}"] = run
+        finally:
+            S2LlamaForCausalLM._sample = arms["deferred_stop_check"]
     return results
 
 
@@ -488,7 +482,7 @@ def main():
     if "launches" in wanted:
         section(results, "decode_launch_sizes", functools.partial(launch_sizes, sparse))
     if "host" in wanted:
-        section(results, "host_wait_b8_32k", functools.partial(host_wait, sparse))
+        section(results, "stop_check_32k", functools.partial(stop_check_ab, sparse))
     del sparse
     torch.cuda.empty_cache()
     if "speed" in wanted:

@@ -1,17 +1,17 @@
-"""The warp-specialized forward (kernels/hopper_fwd.py) against an earlier version of that file, forced tiles (GPU).
+"""The warp-specialized forward (kernels/hopper_fwd.py) against other versions of that file, forced tiles (GPU).
 
-Each version runs as the tuner's only forward candidate (``triton_impl._WARP_SPECIALIZED_FWD``), the two alternated
+Each version runs as the tuner's only forward candidate (``triton_impl._WARP_SPECIALIZED_FWD``), all alternated
 ``--rounds`` times in one process at issue 9's shapes (bf16, causal, H=32, vert_stride 16, heterogeneous heads;
 ``do_bench`` medians), after the worst relative error of each against the fp32 PyTorch path on odd shapes (with few
-programs, so that every program runs many work items). The earlier version is a copy of ``hopper_fwd.py`` from the
-commit to compare with; it is loaded as a module of ``s2_models.kernels`` so that its relative imports resolve::
+programs, so that every program runs many work items). The other versions are copies of ``hopper_fwd.py`` (another
+commit's, or variants); each is loaded as a module of ``s2_models.kernels`` so that its relative imports resolve.
+Ratios are the current file's time over each version's (above 1: the version is faster)::
 
     git show HEAD~1:kernels/hopper_fwd.py > .gpu/hopper_fwd_before.py
-    python bench/hopper_fwd_ab.py --before .gpu/hopper_fwd_before.py --out $OUT/hopper_fwd_ab.json
+    python bench/hopper_fwd_ab.py --version before=.gpu/hopper_fwd_before.py --out $OUT/hopper_fwd_ab.json
 """
 
 import argparse
-import importlib.util
 import json
 import os
 
@@ -19,6 +19,7 @@ os.environ["S2_ATTENTION_AUTOTUNE"] = "0"  # the one forced candidate
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from hopper_fwd_offline import load_version  # noqa: E402
 
 from s2_models.kernels import S2Pattern, s2_attention, triton_impl  # noqa: E402
 
@@ -34,13 +35,6 @@ SHAPES = [
 ]
 # (batch, Hq, Hkv, T, D), block size: odd lengths, GQA, the three unit sizes
 ERROR_CASES = [((2, 8, 2, 1999, 128), 64), ((1, 8, 8, 3001, 64), 128), ((2, 4, 2, 1501, 128), 32)]
-
-
-def load_before(path: str):
-    spec = importlib.util.spec_from_file_location("s2_models.kernels._hopper_fwd_before", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 ONE_PER_SM = {}  # module -> its own _num_sms
@@ -87,11 +81,13 @@ def forward_ms(bs, local, batch, seqlen, q_heads, kv_heads, head_dim) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--before", required=True, help="a copy of hopper_fwd.py to compare with")
+    parser.add_argument("--version", action="append", required=True, metavar="NAME=PATH",
+                        help="a copy of hopper_fwd.py to compare with kernels/hopper_fwd.py (repeatable)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    versions = {"after": triton_impl.hopper_fwd, "before": load_before(args.before)}
+    versions = {"current": triton_impl.hopper_fwd}
+    versions.update((name, load_version(path)) for name, path in (v.split("=", 1) for v in args.version))
     results = {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
                "errors": {name: worst_error(module) for name, module in versions.items()}, "ms": {}}
     print(json.dumps(results["errors"]), flush=True)
@@ -103,12 +99,15 @@ def main():
                 results["ms"].setdefault(shape_name, {}).setdefault(name, []).append(round(ms, 3))
                 print(round_, name, shape_name, round(ms, 3), flush=True)
                 torch.cuda.empty_cache()
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-    print("\n| shape | before ms (each round) | after ms (each round) | before / after, means |")
+        with open(args.out, "w") as f:  # after every round: a run cut short keeps what it measured
+            json.dump(results, f, indent=1)
+    baseline, *others = versions
+    header = " | ".join(f"{name} ms, {baseline} / {name}" for name in others)
+    print(f"\n| shape | {baseline} ms (each round) | {header} |")
     for shape_name, runs in results["ms"].items():
-        before, after = (sum(runs[name]) / len(runs[name]) for name in ("before", "after"))
-        print(f"| {shape_name} | {runs['before']} | {runs['after']} | {before / after:.3f}x |")
+        mean = {name: sum(times) / len(times) for name, times in runs.items()}
+        cells = [f"{runs[name]}, {mean[baseline] / mean[name]:.3f}x" for name in others]
+        print(f"| {shape_name} | {runs[baseline]} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

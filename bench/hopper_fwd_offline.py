@@ -13,6 +13,7 @@ CUDA libraries are not needed) and this package installed::
 
 import argparse
 import collections
+import importlib.util
 import os
 import re
 import subprocess
@@ -49,11 +50,13 @@ class _CompileOnlyDriver:
         return ty_to_cpp(ty)
 
 
-def compile_kernel(head_dim: int, block_size: int, block_n: int = 64, num_buffers: int = 3):
+def compile_kernel(head_dim: int, block_size: int, block_n: int = 64, num_buffers: int = 3, kernel_file=None):
     """The compiled kernel for bf16, causal, [B, T, H, D] queries (the model's layout), as ``hopper_fwd.launch``
-    would launch it (``warmup``: compile, do not run)."""
+    would launch it (``warmup``: compile, do not run); ``kernel_file``: another version of ``hopper_fwd.py``."""
     driver.set_active(_CompileOnlyDriver())
-    from s2_models.kernels import hopper_fwd, triton_impl
+    from s2_models.kernels import triton_impl
+
+    hopper_fwd = triton_impl.hopper_fwd if kernel_file is None else load_version(kernel_file)
     from s2_models.kernels.layouts import BlockLayout
     from s2_models.kernels.pattern import S2Pattern
 
@@ -81,6 +84,16 @@ def compile_kernel(head_dim: int, block_size: int, block_n: int = 64, num_buffer
     finally:
         hopper_fwd.s2_attention_fwd_ws_kernel, hopper_fwd._num_sms = kernel, num_sms
     return compiled[0]
+
+
+def load_version(path: str):
+    """A copy of ``hopper_fwd.py`` (another commit's, a variant) as a module of ``s2_models.kernels``, so that its
+    relative imports resolve."""
+    name = "s2_models.kernels._hopper_fwd_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _tool(name: str) -> str:
@@ -115,7 +128,9 @@ def matrix_product_loops(kernel) -> list[dict]:
         body = instructions[start:end + 1]
         if start < end and any(x.startswith("HGMMA") for x in body):
             mix = collections.Counter(x.split()[0].split(".")[0] for x in body)
-            loops.append({"first": start, "last": end, "instructions": len(body), "mix": dict(mix.most_common(12))})
+            spills = mix["LDL"] + mix["STL"]  # local-memory traffic inside the loop: spilled registers
+            loops.append({"first": start, "last": end, "instructions": len(body), "spill_accesses": spills,
+                          "mix": dict(mix.most_common(12))})
     return sorted(loops, key=lambda loop: loop["instructions"])
 
 
@@ -124,12 +139,14 @@ def main():
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--loops", type=int, default=2, help="how many of the shortest HGMMA loops to print")
+    parser.add_argument("--kernel-file", help="another version of kernels/hopper_fwd.py to compile instead")
     args = parser.parse_args()
-    kernel = compile_kernel(args.head_dim, args.block_size)
+    kernel = compile_kernel(args.head_dim, args.block_size, kernel_file=args.kernel_file)
     print(f"D={args.head_dim}, block {args.block_size}: shared memory {kernel.metadata.shared} bytes")
     print(*ptxas_report(kernel), sep="\n")
     for loop in matrix_product_loops(kernel)[: args.loops]:
-        print(f"loop of {loop['instructions']} instructions (SASS {loop['first']}..{loop['last']}): {loop['mix']}")
+        print(f"loop of {loop['instructions']} instructions (SASS {loop['first']}..{loop['last']}), "
+              f"{loop['spill_accesses']} spill accesses: {loop['mix']}")
 
 
 if __name__ == "__main__":

@@ -10,11 +10,15 @@ barriers and the asynchronous ``wgmma`` are written out here in Gluon, Triton's 
 
 A work item = one query tile of ``BLOCK_M = 2 * CONSUMER_ROWS`` absolute positions of one head (Merge-Q, as the
 Triton forward), over the same lists (``triton_impl.build_unit_lists``): entries ``[0, num_full)`` unmasked, then the
-partial ones, masked with their keep bits, causality and the key length. The kernel is persistent (one program per
-SM runs work items in turn, so one item's epilogue overlaps the next one's loads). Partitions:
+partial ones, masked with their keep bits, causality and the key length. The kernel is persistent: one program per
+SM runs work items in turn, so one item's epilogue overlaps the next one's loads. After its first, a program claims
+its next item from a counter, so the items in flight are always neighbours in the item order (the tiles of one or
+two heads, whose K and V blocks they share in L2); with items assigned round-robin, programs drift apart, and at
+16 x 8192 the L2 hit rate fell to 61% (bench/NOTES.md). Partitions:
 
-* loader (1 warp): per item Q, then per step the K and V of ``BLOCK_N // UNIT`` list entries (``UNIT = min(block_size,
-  BLOCK_N)`` keys each, one TMA box each) into a ring of ``NUM_BUFFERS`` slots;
+* loader (1 warp): claims the items; per item its index (for the consumers) and Q, then per step the K and V of
+  ``BLOCK_N // UNIT`` list entries (``UNIT = min(block_size, BLOCK_N)`` keys each, one TMA box each) into a ring of
+  ``NUM_BUFFERS`` slots;
 * two consumers (4 warps each, 64 query rows each), in FlashAttention-3's order: a step issues the next step's
   ``S = Q K^T`` and this step's ``O += P V`` as asynchronous warp-group matrix products on the shared-memory tiles,
   then computes the next step's online softmax (base 2, fp32) while they run; the two consumers take turns to issue,
@@ -81,10 +85,11 @@ if AVAILABLE:
 
     @gluon.jit
     def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, kv_free,
-                        work_args, strides, TILE: gl.constexpr, IS_VARLEN: gl.constexpr):
-        """Issue every TMA copy: per work item Q's two halves, then per step the K and V of ``GROUP = BLOCK_N // UNIT``
-        list entries, one box of ``UNIT`` rows each, into a ring slot (a step's missing entries repeat the last
-        one, which the consumers mask)."""
+                        work_smem, work_counter, work_args, strides, TILE: gl.constexpr, IS_VARLEN: gl.constexpr):
+        """Claim the work items and issue every TMA copy: per item its index (``_publish``, read by the consumers
+        once Q has arrived) and Q's two halves, then per step the K and V of ``GROUP = BLOCK_N // UNIT`` list
+        entries, one box of ``UNIT`` rows each, into a ring slot (a step's missing entries repeat the last one,
+        which the consumers mask). After the last item, ``num_work`` as the index tells the consumers to stop."""
         (num_work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists, unit_bits,
          unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, q_heads_per_kv) = work_args
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt = strides
@@ -95,7 +100,10 @@ if AVAILABLE:
         ROWS: gl.constexpr = q_desc.block_type.shape[0]
         step = 0  # ring steps loaded so far: slot and phase
         iteration = 0
-        for work in range(gl.program_id(0), num_work, gl.num_programs(0)):
+        work = gl.program_id(0)  # the first item; later ones are claimed from the counter, in order
+        while work < num_work:
+            # Claimed now, used after this item's loads: the atomic's round trip hides behind them.
+            next_work = gl.num_programs(0) + gl.atomic_add(work_counter, 1, sem="relaxed")
             seq, q_head, q_start, k_start, _, first_pos, tile_first, list_base, _, _, num_entries = _work_item(
                 work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists,
                 unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, TILE,
@@ -113,6 +121,7 @@ if AVAILABLE:
             v_col = (v_offset % stride_vt).to(gl.int32)
             # A fresh mbarrier counts as having completed the phase before 0, so first passes do not wait.
             mbarrier.wait(q_free, (iteration & 1) ^ 1)
+            _publish(work_smem, work)  # made visible to the consumers by q_ready's phase
             mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_ready, q_smem.index(0))
             tma.async_copy_global_to_shared(q_desc, [q_row + ROWS, q_col], q_ready, q_smem.index(1))
@@ -129,6 +138,20 @@ if AVAILABLE:
                                                     v_bufs.index(slot).slice(member * UNIT, UNIT))
                 step += 1
             iteration += 1
+            work = next_work
+        mbarrier.wait(q_free, (iteration & 1) ^ 1)  # no more items: tell the consumers
+        _publish(work_smem, num_work)
+        mbarrier.arrive(q_ready, count=1)
+
+    @gluon.jit
+    def _publish(work_smem, work):
+        """Store work item index ``work`` for the consumers (all lanes of the loader's warp store the same value)."""
+        work_smem.store(gl.full([1], work, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
+
+    @gluon.jit
+    def _published(work_smem):
+        """The work item index the loader published (read by a 4-warp consumer after waiting for ``q_ready``)."""
+        return gl.max(work_smem.load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
 
     @gluon.jit
     def _scores(q_tile, k_bufs, k_ready, step, s_layout: gl.constexpr):
@@ -170,7 +193,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _compute_partition(consumer: gl.constexpr, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready,
-                           kv_free, turns, work_args, out_args, qk_scale, TILE: gl.constexpr,
+                           kv_free, turns, work_smem, work_args, out_args, qk_scale, TILE: gl.constexpr,
                            BLOCK_SIZE: gl.constexpr, UNIT: gl.constexpr, IS_VARLEN: gl.constexpr):
         """Consumer ``consumer`` (0 or 1): rows ``consumer * ROWS ...`` of each work item's query tile.
 
@@ -196,7 +219,9 @@ if AVAILABLE:
         step = 0  # ring steps consumed so far: slot and phase
         turn = 0  # matrix-product bursts issued so far
         iteration = 0
-        for work in range(gl.program_id(0), num_work, gl.num_programs(0)):
+        mbarrier.wait(q_ready, 0)
+        work = _published(work_smem)
+        while work < num_work:
             (seq, q_head, q_start, _, seqlen_k_seq, first_pos, tile_first, list_base, bits_base, num_full,
              num_entries) = _work_item(work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k,
                                        unit_lists, unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct,
@@ -207,7 +232,6 @@ if AVAILABLE:
             m_i = gl.full([ROWS], -float("inf"), gl.float32, rows_s)
             l_i = gl.zeros([ROWS], gl.float32, rows_s)
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-            mbarrier.wait(q_ready, iteration & 1)
             if num_steps > 0:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(q_tile, k_bufs, k_ready, step, s_layout),))
                 p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, num_full, num_entries, list_base, bits_base, q_pos,
@@ -247,6 +271,8 @@ if AVAILABLE:
             gl.store(out_head + gl.convert_layout(rows, rows_o)[:, None] * stride_ot + cols[None, :],
                      out_tile.to(out.dtype.element_ty), mask=gl.convert_layout(row_real, rows_o)[:, None])
             iteration += 1
+            mbarrier.wait(q_ready, iteration & 1)
+            work = _published(work_smem)
 
     @gluon.jit
     def s2_attention_fwd_ws_kernel(
@@ -254,15 +280,17 @@ if AVAILABLE:
         out, lse,  # [B, Hq, Tq, D], [B, Hq, Tq] float32
         unit_lists, unit_bits, unit_counts,  # the forward's lists for 2 * ROWS-row tiles (build_unit_lists)
         cu_seqlens_q, cu_seqlens_k,  # int32 [S + 1], read only when IS_VARLEN
+        work_counter,  # int32 [1], zero: work items claimed after each program's first
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
         stride_ob, stride_oh, stride_ot, stride_lb, stride_lh, stride_lt, stride_up, stride_ut, stride_cp, stride_ct,
         seqlen_q, seqlen_k, qk_scale, q_heads_per_pattern, q_heads_per_kv, num_q_tiles, num_q_heads, num_work,
         BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr, NUM_BUFFERS: gl.constexpr,
         CONSUMER_REGISTERS: gl.constexpr, LOADER_REGISTERS: gl.constexpr,
     ):
-        """Persistent: program ``p`` runs work items ``p, p + P, ...`` of ``num_work = num_q_tiles * Hq * (B or
-        S)`` (``_work_item``), so that one item's epilogue overlaps the next one's loads. ``qk_scale = scale *
-        log2(e)``; launched with 4 warps (consumer 0) plus the two worker partitions."""
+        """Persistent: program ``p`` runs work item ``p`` of ``num_work = num_q_tiles * Hq * (B or S)``
+        (``_work_item``), then the items it claims from ``work_counter`` (``P, P + 1, ...`` in claim order), so that
+        one item's epilogue overlaps the next one's loads. ``qk_scale = scale * log2(e)``; launched with 4 warps
+        (consumer 0) plus the two worker partitions."""
         ROWS: gl.constexpr = q_desc.block_type.shape[0]
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
         UNIT: gl.constexpr = k_desc.block_type.shape[0]
@@ -270,6 +298,7 @@ if AVAILABLE:
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], v_desc.layout)
+        work_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -293,11 +322,11 @@ if AVAILABLE:
         gl.warp_specialize(
             [
                 (_compute_partition, (0, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, kv_free, turns,
-                                      work_args, out_args, qk_scale, TILE, BLOCK_SIZE, UNIT, IS_VARLEN)),
+                                      work_smem, work_args, out_args, qk_scale, TILE, BLOCK_SIZE, UNIT, IS_VARLEN)),
                 (_compute_partition, (1, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, kv_free, turns,
-                                      work_args, out_args, qk_scale, TILE, BLOCK_SIZE, UNIT, IS_VARLEN)),
+                                      work_smem, work_args, out_args, qk_scale, TILE, BLOCK_SIZE, UNIT, IS_VARLEN)),
                 (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready,
-                                   kv_free, work_args, strides, TILE, IS_VARLEN)),
+                                   kv_free, work_smem, work_counter, work_args, strides, TILE, IS_VARLEN)),
             ],
             [4, 1],
             [CONSUMER_REGISTERS, LOADER_REGISTERS],  # the default partition (consumer 0) gets what is left
@@ -332,6 +361,7 @@ def launch(q, k, v, out, lse, row_views, lists, problem, qk_scale: float, block_
     grid = (min(num_work, _num_sms(q.device)),)
     s2_attention_fwd_ws_kernel[grid](
         *descriptors, out, lse, units, bits, counts, problem.cu_seqlens_q, problem.cu_seqlens_k,
+        torch.zeros(1, dtype=torch.int32, device=q.device),  # the work counter: a fresh zero for every launch
         *problem.strides(q)[:3], *problem.strides(k)[:3], *problem.strides(v)[:3], *problem.strides(out)[:3],
         *problem.strides(lse), *units.stride()[:2], *counts.stride()[:2],
         q.shape[2], k.shape[2], qk_scale, num_q_heads // num_pattern_heads, num_q_heads // k.shape[1],

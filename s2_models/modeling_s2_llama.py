@@ -21,6 +21,7 @@ from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface, GenerationMixin
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMode
+from transformers.generation import utils as generation_utils
 from transformers.masking_utils import create_causal_mask, create_masks_for_generate
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
@@ -744,6 +745,28 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
         return masks
 
 
+# Devices on which generate reads the stop flag one step late over an S2StaticCache (below). On the CPU nothing runs
+# ahead of the host, so there the extra forward a late stop costs would buy nothing.
+_DEFERRED_STOP_CHECK_DEVICES = frozenset({"cuda"})
+_TransformersDeferredStopCheck = generation_utils.DeferredStopCheck
+
+
+class _S2DeferredStopCheck(_TransformersDeferredStopCheck):
+    """transformers' stop check that reads whether to stop one step late, so that the host queues the next decode
+    step while the GPU runs this one; transformers uses it on MPS only. S2's generate also uses it on CUDA over an
+    ``S2StaticCache``: there each step is one replayed CUDA graph, and with transformers' per-step check the GPU
+    idles through the host's Python between the check's sync and the next replay (bench/NOTES.md). transformers'
+    conditions still hold: never for an assistant model, and a cache that outlives ``generate`` (passed in, or
+    returned) must be croppable to undo the extra step. A static cache is not, so with one of those ``generate``
+    keeps the per-step check."""
+
+    @staticmethod
+    def is_supported(device: torch.device, cache: Cache | None, cache_is_returned: bool, is_assistant: bool) -> bool:
+        if isinstance(cache, S2StaticCache) and device.type in _DEFERRED_STOP_CHECK_DEVICES and not is_assistant:
+            return cache.is_croppable or not cache_is_returned
+        return _TransformersDeferredStopCheck.is_supported(device, cache, cache_is_returned, is_assistant)
+
+
 class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
@@ -848,6 +871,17 @@ class S2LlamaForCausalLM(S2LlamaPreTrainedModel, GenerationMixin):
         if (position_ids := kwargs.get("position_ids")) is not None:
             model_inputs["position_ids"] = position_ids[..., -1:]
         return model_inputs
+
+    def _sample(self, *args, **kwargs):
+        """transformers' greedy and sampling loop, which picks its stop check after the prompt; for S2 models it picks
+        ``_S2DeferredStopCheck`` (which also defers over an ``S2StaticCache`` on CUDA) in place of transformers'.
+        The swap is undone on return; another model's ``generate`` meanwhile would get the same decisions as with
+        transformers' class, since S2's only adds cases for S2's cache."""
+        generation_utils.DeferredStopCheck = _S2DeferredStopCheck
+        try:
+            return super()._sample(*args, **kwargs)
+        finally:
+            generation_utils.DeferredStopCheck = _TransformersDeferredStopCheck
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
         """transformers' cache preparation; for assisted and prompt-lookup decoding the compact S2 layers of a new

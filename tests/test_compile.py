@@ -236,7 +236,8 @@ def test_compiled_training_step_on_cuda_equals_eager(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_static_generation_on_cuda_equals_cuda_graphs(dtype):
     """transformers' default CompileConfig (Inductor, reduce-overhead) over the S2 static cache gives the tokens of the
-    cache's own CUDA graphs and of the dynamic cache."""
+    cache's own CUDA graphs and of the dynamic cache, also when the cache is not returned (then generate reads the
+    stop flag a step late)."""
     from test_static_cache import assert_same_steps
 
     torch.manual_seed(0)
@@ -249,3 +250,6 @@ def test_compiled_static_generation_on_cuda_equals_cuda_graphs(dtype):
     assert hasattr(model, "_compiled_call")
     tol, min_steps = (1e-4, 40) if dtype == torch.float32 else (2e-2, 10)
     assert_same_steps(compiled, graphed, ids.shape[1], tol, min_steps)
+    kwargs = dict(attention_mask=mask, max_new_tokens=40, **GREEDY)
+    not_returned = model.generate(ids, cache_implementation="static", compile_config=CompileConfig(), **kwargs)
+    assert torch.equal(not_returned, compiled.sequences)
