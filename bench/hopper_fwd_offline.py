@@ -50,13 +50,17 @@ class _CompileOnlyDriver:
         return ty_to_cpp(ty)
 
 
-def compile_kernel(head_dim: int, block_size: int, block_n: int = 64, num_buffers: int = 3, kernel_file=None):
+def compile_kernel(head_dim: int, block_size: int, block_n: int = 64, num_buffers: int = 3, kernel_file=None,
+                   registers: tuple[int, int] | None = None):
     """The compiled kernel for bf16, causal, [B, T, H, D] queries (the model's layout), as ``hopper_fwd.launch``
-    would launch it (``warmup``: compile, do not run); ``kernel_file``: another version of ``hopper_fwd.py``."""
+    would launch it (``warmup``: compile, do not run); ``kernel_file``: another version of ``hopper_fwd.py``;
+    ``registers``: (consumer, loader) register counts instead of the module's."""
     driver.set_active(_CompileOnlyDriver())
     from s2_models.kernels import triton_impl
 
     hopper_fwd = triton_impl.hopper_fwd if kernel_file is None else load_version(kernel_file)
+    if registers is not None:
+        hopper_fwd.CONSUMER_REGISTERS, hopper_fwd.LOADER_REGISTERS = registers
     from s2_models.kernels.layouts import BlockLayout
     from s2_models.kernels.pattern import S2Pattern
 
@@ -139,10 +143,15 @@ def main():
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--loops", type=int, default=2, help="how many of the shortest HGMMA loops to print")
+    parser.add_argument("--block-n", type=int, default=64, help="keys per step")
+    parser.add_argument("--num-buffers", type=int, default=3, help="K/V ring slots")
+    parser.add_argument("--registers", help="CONSUMER,LOADER register counts (default: the module's)")
     parser.add_argument("--kernel-file", help="another version of kernels/hopper_fwd.py to compile instead")
     args = parser.parse_args()
-    kernel = compile_kernel(args.head_dim, args.block_size, kernel_file=args.kernel_file)
-    print(f"D={args.head_dim}, block {args.block_size}: shared memory {kernel.metadata.shared} bytes")
+    registers = tuple(int(x) for x in args.registers.split(",")) if args.registers else None
+    kernel = compile_kernel(args.head_dim, args.block_size, args.block_n, args.num_buffers, args.kernel_file, registers)
+    print(f"D={args.head_dim}, block {args.block_size}, {args.block_n}-key steps, {args.num_buffers} buffers: "
+          f"shared memory {kernel.metadata.shared} bytes")
     print(*ptxas_report(kernel), sep="\n")
     for loop in matrix_product_loops(kernel)[: args.loops]:
         print(f"loop of {loop['instructions']} instructions (SASS {loop['first']}..{loop['last']}), "
