@@ -115,15 +115,14 @@ class StepTimes(StoppingCriteria):
 
 
 @torch.no_grad()
-def generate_speed(model, batch, length, steps=48, stamps=None, **generate_kwargs):
+def generate_speed(model, batch, length, steps=48, **generate_kwargs):
     """End to end through ``generate`` (greedy, no EOS): time to the first token (the prefill) and the median time
-    of the later steps. The warm-up call compiles what needs compiling (Triton tiles, torch.compile graphs).
-    ``stamps``: the ``StepTimes`` to record into (a fresh one by default)."""
+    of the later steps. The warm-up call compiles what needs compiling (Triton tiles, torch.compile graphs)."""
     # no pad token (0) in the prompt: generate would read it as padding and mask it
     ids = torch.randint(1, SHAPES["vocab_size"], (batch, length), device="cuda")
     kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0, **generate_kwargs)
     model.generate(ids, max_new_tokens=4, **kwargs)
-    stamps = StepTimes() if stamps is None else stamps
+    stamps = StepTimes()
     torch.cuda.synchronize()
     start = time.perf_counter()
     model.generate(ids, max_new_tokens=steps, stopping_criteria=StoppingCriteriaList([stamps]), **kwargs)

@@ -180,6 +180,11 @@ COMPARE_SHAPES = [
 DENSE_WORK_SHAPES = [("dense work, T=8192", 16, 8192), ("dense work, T=32768", 4, 32768)]
 
 
+def compare_pattern(fields: dict, heads: int) -> S2Pattern:
+    """A COMPARE_SHAPES row's pattern, as dkernel builds it (``head_sliding_offset=0``)."""
+    return S2Pattern(vert_stride=16, head_sliding_offset=0, head_sliding_step=max(1, 16 // heads), **fields)
+
+
 def compare(rows: list, baselines: list, budget: float, only: str | None) -> None:
     """Issue 9's table: s2 vs dkernel vs cuDNN dense causal (and FlexAttention with the identical mask, BLOCK_SIZE
     128, on the block-64 rows), with ratios and per-FLOP efficiency vs cuDNN; then the dense-work rows."""
@@ -190,7 +195,7 @@ def compare(rows: list, baselines: list, budget: float, only: str | None) -> Non
     for name, fields, batch, seqlen, heads, kv_heads, head_dim in COMPARE_SHAPES:
         if not selected(name):
             continue
-        pattern = S2Pattern(vert_stride=16, head_sliding_offset=0, head_sliding_step=max(1, 16 // heads), **fields)
+        pattern = compare_pattern(fields, heads)
         shape = (pattern, batch, heads, kv_heads, seqlen, head_dim, modes, budget)
         run_case(rows, name, "s2-triton", lambda p=pattern: s2(p), *shape)
         if "dkernel" in baselines:

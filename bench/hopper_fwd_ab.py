@@ -1,8 +1,8 @@
 """The warp-specialized forward (kernels/hopper_fwd.py) against other versions of that file, forced tiles (GPU).
 
 Each version runs as the tuner's only forward candidate (``triton_impl._WARP_SPECIALIZED_FWD``), all alternated
-``--rounds`` times in one process at issue 9's shapes (bf16, causal, H=32, vert_stride 16, heterogeneous heads;
-``do_bench`` medians), after the worst relative error of each against the fp32 PyTorch path on odd shapes (with few
+``--rounds`` times in one process at issue 9's shapes with blocks of 32 and more (``bench_s2_attention.py``'s
+``COMPARE_SHAPES`` and patterns; bf16, causal; ``do_bench`` medians), after the worst relative error of each against the fp32 PyTorch path on odd shapes (with few
 programs, so that every program runs many work items). The other versions are copies of ``hopper_fwd.py`` (another
 commit's, or variants); each is loaded as a module of ``s2_models.kernels`` so that its relative imports resolve.
 Ratios are the current file's time over each version's (above 1: the version is faster)::
@@ -19,20 +19,13 @@ os.environ["S2_ATTENTION_AUTOTUNE"] = "0"  # the one forced candidate
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from bench_s2_attention import COMPARE_SHAPES, compare_pattern  # noqa: E402
 from hopper_fwd_offline import load_version  # noqa: E402
 
 from s2_models.kernels import S2Pattern, s2_attention, triton_impl  # noqa: E402
 
-# name, block size, local blocks, batch, seqlen, q heads, kv heads, head dim
-SHAPES = [
-    ("block 64, 1 x 131072", 64, 16, 1, 131072, 32, 32, 128),
-    ("block 64, 4 x 32768", 64, 16, 4, 32768, 32, 32, 128),
-    ("block 64, 16 x 8192", 64, 16, 16, 8192, 32, 32, 128),
-    ("block 128, 8 x 16384", 128, 8, 8, 16384, 32, 32, 128),
-    ("block 32, 8 x 16384", 32, 32, 8, 16384, 32, 32, 128),
-    ("GQA 32/8, block 64, 4 x 32768", 64, 16, 4, 32768, 32, 8, 128),
-    ("D=64, block 64, 4 x 32768", 64, 16, 4, 32768, 32, 32, 64),
-]
+# Issue 9's shapes that the warp-specialized forward runs (blocks of 32 and more), with the comparison's patterns.
+SHAPES = [shape for shape in COMPARE_SHAPES if shape[1]["block_size"] >= 32]
 # (batch, Hq, Hkv, T, D), block size: odd lengths, GQA, the three unit sizes
 ERROR_CASES = [((2, 8, 2, 1999, 128), 64), ((1, 8, 8, 3001, 64), 128), ((2, 4, 2, 1501, 128), 32)]
 
@@ -71,8 +64,8 @@ def worst_error(module) -> dict:
     return worst
 
 
-def forward_ms(bs, local, batch, seqlen, q_heads, kv_heads, head_dim) -> float:
-    pattern = S2Pattern(block_size=bs, local_blocks=local, vert_stride=16)
+def forward_ms(fields, batch, seqlen, q_heads, kv_heads, head_dim) -> float:
+    pattern = compare_pattern(fields, q_heads)
     q = torch.randn(batch, q_heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(batch, kv_heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     return triton.testing.do_bench(lambda: s2_attention(q, k, v, pattern, backend="triton"), warmup=25, rep=200,
