@@ -2,8 +2,8 @@
 
 Each version runs as the tuner's only forward candidate (``triton_impl._WARP_SPECIALIZED_FWD``), all alternated
 ``--rounds`` times in one process at issue 9's shapes with blocks of 32 and more (``bench_s2_attention.py``'s
-``COMPARE_SHAPES`` and patterns; bf16, causal; ``do_bench`` medians), after the worst relative error of each against the fp32 PyTorch path on odd shapes (with few
-programs, so that every program runs many work items). The other versions are copies of ``hopper_fwd.py`` (another
+``COMPARE_SHAPES`` and patterns; bf16, causal; ``do_bench`` medians), after the worst relative error of each
+against the fp32 PyTorch path on odd shapes (with few programs, so that every program runs many work items). The other versions are copies of ``hopper_fwd.py`` (another
 commit's, or variants); each is loaded as a module of ``s2_models.kernels`` so that its relative imports resolve.
 Ratios are the current file's time over each version's (above 1: the version is faster)::
 
