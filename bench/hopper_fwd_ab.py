@@ -2,10 +2,10 @@
 
 Each version runs as the tuner's only forward candidate (``triton_impl._WARP_SPECIALIZED_FWD``), all alternated
 ``--rounds`` times in one process at issue 9's shapes with blocks of 32 and more (``bench_s2_attention.py``'s
-``COMPARE_SHAPES`` and patterns; bf16, causal; ``do_bench`` medians), after the worst relative error of each
-against the fp32 PyTorch path on odd shapes (with few programs, so that every program runs many work items). The other versions are copies of ``hopper_fwd.py`` (another
-commit's, or variants); each is loaded as a module of ``s2_models.kernels`` so that its relative imports resolve.
-Ratios are the current file's time over each version's (above 1: the version is faster)::
+``COMPARE_SHAPES`` and patterns; bf16, causal; ``do_bench`` medians), after the worst relative error of each against the
+fp32 PyTorch path on odd shapes (with few programs, so that every program runs many work items). The other versions are
+copies of ``hopper_fwd.py`` (another commit's, or variants); each is loaded as a module of ``s2_models.kernels`` so that
+its relative imports resolve. Ratios are the current file's time over each version's (above 1: the version is faster)::
 
     git show HEAD~1:kernels/hopper_fwd.py > .gpu/hopper_fwd_before.py
     python bench/hopper_fwd_ab.py --version before=.gpu/hopper_fwd_before.py --out $OUT/hopper_fwd_ab.json
