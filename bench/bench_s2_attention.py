@@ -185,9 +185,10 @@ def compare_pattern(fields: dict, heads: int) -> S2Pattern:
     return S2Pattern(vert_stride=16, head_sliding_offset=0, head_sliding_step=max(1, 16 // heads), **fields)
 
 
-def compare(rows: list, baselines: list, budget: float, only: str | None) -> None:
+def compare(rows: list, baselines: list, budget: float, only: str | None, save) -> None:
     """Issue 9's table: s2 vs dkernel vs cuDNN dense causal (and FlexAttention with the identical mask, BLOCK_SIZE
-    128, on the block-64 rows), with ratios and per-FLOP efficiency vs cuDNN; then the dense-work rows."""
+    128, on the block-64 rows), with ratios and per-FLOP efficiency vs cuDNN; then the dense-work rows. ``save()``
+    after each shape: a run cut short keeps what it measured."""
     from torch.nn.attention import SDPBackend
 
     modes = ("fwd", "fwd+bwd")
@@ -206,6 +207,7 @@ def compare(rows: list, baselines: list, budget: float, only: str | None) -> Non
         if "flex" in baselines and pattern.block_size == 64:
             run_case(rows, name, "flex-128", lambda p=pattern, h=heads, g=kv_heads, t=seqlen: flex(p, h, g, t, 128),
                      *shape)
+        save()
     for name, batch, seqlen in DENSE_WORK_SHAPES:
         if not selected(name):
             continue
@@ -214,6 +216,7 @@ def compare(rows: list, baselines: list, budget: float, only: str | None) -> Non
         run_case(rows, name, "s2-triton", lambda p=pattern: s2(p), *shape)
         if "cudnn" in baselines:
             run_case(rows, name, "sdpa-cudnn", lambda: sdpa(SDPBackend.CUDNN_ATTENTION), *shape)
+        save()
 
 
 def print_comparison(rows: list) -> None:
@@ -300,11 +303,26 @@ def main():
     rows: list[dict] = []
     from torch.nn.attention import SDPBackend
 
+    gpu = torch.cuda.get_device_name().replace(" ", "-")
+    out_dir = Path(__file__).resolve().parent / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    suffix = f"-compare-{args.compare}" if args.compare else ""
+    path = out_dir / f"{gpu}-{datetime.date.today().isoformat()}{suffix}.json"
+
+    def save():
+        tuned = {" ".join(map(str, key)): {str(c): round(ms, 3) for c, ms in timings.items()}
+                 for key, timings in triton_impl.TUNING_TIMINGS.items()}
+        meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                    argv=sys.argv[1:], tuning=tuned)
+        path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], path.name).write_text(path.read_text())
+
     if dkernel_available():
         baselines.append("dkernel")
     if args.compare:
         sections = []
-        compare(rows, baselines, args.budget_ms or 300, args.only)
+        compare(rows, baselines, args.budget_ms or 300, args.only, save)
 
     if "headline" in sections:
         pattern = S2Pattern(block_size=HEADLINE["block_size"], local_blocks=HEADLINE["local_blocks"],
@@ -340,18 +358,7 @@ def main():
         run_case(rows, section, "s2-triton", lambda p=pattern: s2(p), pattern, batch, heads, kv_heads, sweep_seqlen,
                  head_dim, modes, budget)
 
-    gpu = torch.cuda.get_device_name().replace(" ", "-")
-    out_dir = Path(__file__).resolve().parent / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    suffix = f"-compare-{args.compare}" if args.compare else ""
-    path = out_dir / f"{gpu}-{datetime.date.today().isoformat()}{suffix}.json"
-    tuned = {" ".join(map(str, key)): {str(c): round(ms, 3) for c, ms in timings.items()}
-             for key, timings in triton_impl.TUNING_TIMINGS.items()}
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                argv=sys.argv[1:], tuning=tuned)
-    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], path.name).write_text(path.read_text())
+    save()
     print(f"\nwrote {path}\n")
     print("| section | impl | B x T | Hq/Hkv | D | bs | mode | ms | dense TFLOP/s | eff. TFLOP/s | density |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

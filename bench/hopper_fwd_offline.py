@@ -54,13 +54,13 @@ def compile_kernel(head_dim: int, block_size: int, block_n: int = 64, num_buffer
                    registers: tuple[int, int] | None = None):
     """The compiled kernel for bf16, causal, [B, T, H, D] queries (the model's layout), as ``hopper_fwd.launch``
     would launch it (``warmup``: compile, do not run); ``kernel_file``: another version of ``hopper_fwd.py``;
-    ``registers``: (consumer, loader) register counts instead of the module's."""
+    ``registers``: (consumer, loader) register counts instead of the module's for ``block_n``."""
     driver.set_active(_CompileOnlyDriver())
     from s2_models.kernels import triton_impl
 
     hopper_fwd = triton_impl.hopper_fwd if kernel_file is None else load_version(kernel_file)
     if registers is not None:
-        hopper_fwd.CONSUMER_REGISTERS, hopper_fwd.LOADER_REGISTERS = registers
+        hopper_fwd.REGISTERS = {**hopper_fwd.REGISTERS, block_n: registers}
     from s2_models.kernels.layouts import BlockLayout
     from s2_models.kernels.pattern import S2Pattern
 

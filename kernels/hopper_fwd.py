@@ -26,7 +26,7 @@ two heads, whose K and V blocks they share in L2); with items assigned round-rob
 
 Scope (``supported``): causal, 16-bit inputs, head dim 64 or 128, ``block_size >= 32``, compute capability 9.0, and
 tensors ``triton_impl._row_view`` can view as rows. Everything else stays on the Triton forward, and the tuner picks
-this kernel only where it is faster (on an H100 it wins at D = 128 and loses at D = 64: bench/NOTES.md).
+this kernel only where it is faster (on an H100: at D = 128, and at D = 64 only with long sequences; bench/NOTES.md).
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ CONSUMER_ROWS = 64  # query rows per consumer warp group: wgmma's M of 16 rows p
 BLOCK_M = 2 * CONSUMER_ROWS
 # Registers: 12 warps (consumer 0 is the 4-warp default partition; the loader's warp is padded to a warp group) share
 # the 64K registers of one program per SM: 168 each at launch (65536 / (12 * 32)), then the loader gives most of its
-# share to the consumers, which hold a step's scores, the previous step's probabilities and 64 output rows.
-# 2 * 4 * 232 + 4 * 40 = 12 * 168. ptxas spills 8 bytes at D = 128 (28 with 240 / 24).
+# share to the consumers, which hold a step's scores, the previous step's probabilities and 64 output rows:
+# 2 * 4 * consumer + 4 * loader = 12 * 168. Per keys a step, (consumer, loader): 128-key steps hold twice the scores;
+# at 232 / 40 ptxas spilled inside their step loop at D = 128, at 240 / 24 only outside it (bench/NOTES.md).
 MAXNREG = 168
-CONSUMER_REGISTERS = 232
-LOADER_REGISTERS = 40
+REGISTERS = {64: (232, 40), 128: (240, 24)}
 
 if AVAILABLE:
 
@@ -359,6 +359,7 @@ def launch(q, k, v, out, lse, row_views, lists, problem, qk_scale: float, block_
     num_q_tiles = problem.num_q_tiles(BLOCK_M)
     num_work = num_q_tiles * num_q_heads * problem.num_seqs
     grid = (min(num_work, _num_sms(q.device)),)
+    consumer_registers, loader_registers = REGISTERS[block_n]
     s2_attention_fwd_ws_kernel[grid](
         *descriptors, out, lse, units, bits, counts, problem.cu_seqlens_q, problem.cu_seqlens_k,
         torch.zeros(1, dtype=torch.int32, device=q.device),  # the work counter: a fresh zero for every launch
@@ -367,7 +368,7 @@ def launch(q, k, v, out, lse, row_views, lists, problem, qk_scale: float, block_
         q.shape[2], k.shape[2], qk_scale, num_q_heads // num_pattern_heads, num_q_heads // k.shape[1],
         num_q_tiles, num_q_heads, num_work,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, IS_VARLEN=problem.is_varlen, NUM_BUFFERS=num_buffers,
-        CONSUMER_REGISTERS=CONSUMER_REGISTERS, LOADER_REGISTERS=LOADER_REGISTERS, num_warps=4, maxnreg=MAXNREG,
+        CONSUMER_REGISTERS=consumer_registers, LOADER_REGISTERS=loader_registers, num_warps=4, maxnreg=MAXNREG,
     )
 
 

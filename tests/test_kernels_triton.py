@@ -362,19 +362,21 @@ WARP_SPECIALIZED_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", triton_impl._WARP_SPECIALIZED_FWD, ids=lambda c: f"{c.block_n}-keys")
 @pytest.mark.parametrize("programs", [None, 3], ids=["one-per-sm", "3-programs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", range(len(WARP_SPECIALIZED_CASES)))
-def test_gpu_warp_specialized_forward(monkeypatch, case, dtype, programs):
+def test_gpu_warp_specialized_forward(monkeypatch, case, dtype, programs, config):
     """The Gluon forward (hopper_fwd.py) against the float64 reference: odd lengths, GQA, Tq < Tk, one pattern per
     query head, dense heads, the [B, T, H, D] projection output behind a transpose, key tiles of one list entry
     (blocks >= 64) or gathered from two (block 32); it must really run. With 3 programs each one runs many work
-    items in turn, so that an item's Q and K/V ring steps follow the item before it in the same program."""
+    items in turn, so that an item's Q and K/V ring steps follow the item before it in the same program. Each of
+    its tiles (keys per step) in turn."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialized forward is for compute capability 9.0")
     (batch, q_heads, kv_heads, q_len, k_len, head_dim), fields, memory = WARP_SPECIALIZED_CASES[case]
     size = "small" if head_dim <= 64 else "medium"
-    monkeypatch.setitem(triton_impl._CANDIDATES, ("fwd", size), triton_impl._WARP_SPECIALIZED_FWD)
+    monkeypatch.setitem(triton_impl._CANDIDATES, ("fwd", size), [config])
     monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})
     if programs is not None:
         monkeypatch.setattr(triton_impl.hopper_fwd, "_num_sms", lambda device: programs)
@@ -395,13 +397,14 @@ def test_gpu_warp_specialized_forward(monkeypatch, case, dtype, programs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", triton_impl._WARP_SPECIALIZED_FWD, ids=lambda c: f"{c.block_n}-keys")
 @pytest.mark.parametrize("programs", [None, 2], ids=["one-per-sm", "2-programs"])
-def test_gpu_warp_specialized_forward_varlen(monkeypatch, programs):
+def test_gpu_warp_specialized_forward_varlen(monkeypatch, programs, config):
     """Packed sequences (an empty one, one shorter than a tile) through the Gluon forward; with 2 programs, work items
     with no steps (past a sequence's end) sit between items that have some."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialized forward is for compute capability 9.0")
-    monkeypatch.setitem(triton_impl._CANDIDATES, ("fwd", "medium"), [triton_impl._WARP_SPECIALIZED_FWD[0]])
+    monkeypatch.setitem(triton_impl._CANDIDATES, ("fwd", "medium"), [config])
     monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})
     if programs is not None:
         monkeypatch.setattr(triton_impl.hopper_fwd, "_num_sms", lambda device: programs)
