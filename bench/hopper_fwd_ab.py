@@ -86,7 +86,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="append", default=[], metavar="NAME=PATH",
                         help="a copy of hopper_fwd.py to compare with kernels/hopper_fwd.py (repeatable)")
-    parser.add_argument("--tiles", default="64x3", help="KEYSxSLOTS,...: keys per step and K/V ring slots per arm")
+    candidate = triton_impl._WARP_SPECIALIZED_FWD[0]
+    parser.add_argument("--tiles", default=f"{candidate.block_n}x{candidate.num_stages}",
+                        help="KEYSxSLOTS,...: keys per step and K/V ring slots, an arm each (default: the candidate's)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--only", help="shapes whose name contains one of these (separated by ';')")

@@ -53,8 +53,8 @@ BLOCK_M = 2 * CONSUMER_ROWS
 # Registers: 12 warps (consumer 0 is the 4-warp default partition; the loader's warp is padded to a warp group) share
 # the 64K registers of one program per SM: 168 each at launch (65536 / (12 * 32)), then the loader gives most of its
 # share to the consumers, which hold a step's scores, the previous step's probabilities and 64 output rows:
-# 2 * 4 * consumer + 4 * loader = 12 * 168. Per keys a step, (consumer, loader): 128-key steps hold twice the scores;
-# at 232 / 40 ptxas spilled inside their step loop at D = 128, at 240 / 24 only outside it (bench/NOTES.md).
+# 2 * 4 * consumer + 4 * loader = 12 * 168. (consumer, loader) per keys a step: 128-key steps hold twice the scores,
+# and at 232 / 40 ptxas spilled inside their step loop at D = 128; at 240 / 24 only outside it (bench/NOTES.md).
 MAXNREG = 168
 REGISTERS = {64: (232, 40), 128: (240, 24)}
 
