@@ -3,14 +3,15 @@
 Both run the identical pattern (dkernel's ``LocalStrideSparseAttention`` equals ``S2Pattern`` with
 ``head_sliding_offset=0`` and dkernel's stripe step; the block masks are compared first) on bf16 inputs; outputs and
 gradients of both are measured against the fp32 PyTorch path. Ours must be as exact as dkernel's (2x its relative
-error for outputs, 3x for gradients, plus the bf16 rounding floor) and the two must agree with each other.
+error for outputs, 3x for gradients, plus the bf16 rounding floor) and the two must agree with each other. Our forward
+runs as the Triton kernel and, on compute capability 9.0, as the warp-specialized Gluon kernel the tuner picks there.
 Skipped without CUDA or without dkernel (the ``dkernel`` package, linxihui/dkernel, installed from its source).
 """
 
 import pytest
 import torch
 
-from s2_models.kernels import S2Pattern, s2_attention
+from s2_models.kernels import S2Pattern, s2_attention, triton_impl
 
 dkernel = pytest.importorskip("dkernel") if torch.cuda.is_available() else None
 pytestmark = pytest.mark.gpu
@@ -50,9 +51,26 @@ CASES = [  # batch, q heads, kv heads, T, D, block_size, local_blocks, vert_stri
 ]
 
 
+def _force_warp_specialized_forward(monkeypatch, head_dim: int, block_size: int) -> list:
+    """Make the Gluon forward (hopper_fwd.py, what the tuner picks on an H100 at most shapes) the only forward
+    candidate; returns the list its launches append to. Skips where it cannot run."""
+    if torch.cuda.get_device_capability() != (9, 0) or block_size < 32:
+        pytest.skip("the warp-specialized forward is for compute capability 9.0 and blocks >= 32")
+    size = "small" if head_dim <= 64 else "medium"
+    monkeypatch.setitem(triton_impl._CANDIDATES, ("fwd", size), triton_impl._WARP_SPECIALIZED_FWD)
+    monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})
+    launches = []
+    launch = triton_impl.hopper_fwd.launch
+    monkeypatch.setattr(triton_impl.hopper_fwd, "launch", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
+    return launches
+
+
+@pytest.mark.parametrize("forward", ["triton", "warp-specialized"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-H{c[1]}/{c[2]}-T{c[3]}-D{c[4]}-bs{c[5]}")
-def test_matches_dkernel(case):
+def test_matches_dkernel(monkeypatch, case, forward):
+    """Our forward (the Triton kernel, or on compute capability 9.0 the Gluon one) and backward against dkernel."""
     batch, q_heads, kv_heads, seqlen, head_dim, block_size, local_blocks, vert_stride = case
+    launches = _force_warp_specialized_forward(monkeypatch, head_dim, block_size) if forward != "triton" else None
     pattern = _pattern(block_size, local_blocks, vert_stride, q_heads)
     theirs = dkernel.LocalStrideSparseAttention(
         q_heads, seqlen, block_size, local_blocks, vert_stride, num_kv_heads=kv_heads if kv_heads != q_heads else None,
@@ -88,6 +106,7 @@ def test_matches_dkernel(case):
 
     reference = run(lambda *t: s2_attention(*t, pattern, backend="torch"), torch.float32)
     ours = run(lambda *t: s2_attention(*t, pattern, backend="triton"), torch.bfloat16)
+    assert launches is None or launches, "the warp-specialized forward did not run"
     their = run(dkernel_attention, torch.bfloat16)
     for name, mine, other, ref, factor in zip(("out", "dq", "dk", "dv"), ours, their, reference, (2, 3, 3, 3)):
         our_error, their_error = _relative_error(mine, ref), _relative_error(other, ref)
