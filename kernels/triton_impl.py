@@ -158,7 +158,7 @@ def _fwd_step(
         key_real = listed & (k_pos < seqlen_k)
         # [BLOCK_N, BLOCK_D]
         k_tile = _load_rows(k_head, k_start + k_pos, key_real, stride_kt, stride_kd, HEAD_DIM, BLOCK_D)
-    s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+    s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], raw scores
     if MASKED:
         keep_bits = _entry_bits(bits_base, entry, num_entries, BLOCK_N, UNIT)
         valid = (q_pos[:, None] < seqlen_k) & key_real[None, :]
@@ -167,10 +167,12 @@ def _fwd_step(
     elif not CAUSAL:
         # A full entry of a bidirectional pattern may run past the end of a short (varlen) sequence.
         s = tl.where(key_real[None, :], s, -float("inf"))
+    # The maximum is kept in raw score units (qk_scale > 0 keeps the order), so that each score's scale and shift
+    # are one fused multiply-add: a multiply per score fewer than scaling the scores first.
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that saw nothing yet: avoid inf - inf
-    alpha = tl.math.exp2(m_i - m_safe)
-    p = tl.math.exp2(s - m_safe[:, None])
+    m_scaled = tl.where(m_new == -float("inf"), 0.0, m_new * qk_scale)  # rows that saw nothing yet: no inf - inf
+    alpha = tl.math.exp2(m_i * qk_scale - m_scaled)
+    p = tl.math.exp2(s * qk_scale - m_scaled[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if TMA:
         v_tile = v_desc.load([v_origin[0] + first_row, v_origin[1]])
@@ -252,7 +254,7 @@ def s2_attention_fwd_kernel(
     l_safe = tl.where(seen, l_i, 1.0)
     out_head = out + seq.to(tl.int64) * stride_ob + q_head.to(tl.int64) * stride_oh
     _store_rows(out_head, acc / l_safe[:, None], rows, row_real, stride_ot, stride_od, HEAD_DIM, BLOCK_D)
-    lse_row = tl.where(seen, (m_i + tl.math.log2(l_safe)) / 1.4426950408889634, -float("inf"))  # natural log
+    lse_row = tl.where(seen, (m_i * qk_scale + tl.math.log2(l_safe)) / 1.4426950408889634, -float("inf"))  # ln
     lse_head = lse + seq.to(tl.int64) * stride_lb + q_head.to(tl.int64) * stride_lh
     tl.store(lse_head + rows.to(tl.int64) * stride_lt, lse_row, mask=row_real)
 
