@@ -167,8 +167,8 @@ def _fwd_step(
     elif not CAUSAL:
         # A full entry of a bidirectional pattern may run past the end of a short (varlen) sequence.
         s = tl.where(key_real[None, :], s, -float("inf"))
-    # The maximum is kept in raw score units (qk_scale > 0 keeps the order), so that each score's scale and shift
-    # are one fused multiply-add: a multiply per score fewer than scaling the scores first.
+    # The maximum is kept in raw score units (qk_scale > 0, as interface.check_scale requires, keeps the order), so
+    # that each score's scale and shift are one fused multiply-add: a multiply per score fewer than scaling first.
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_scaled = tl.where(m_new == -float("inf"), 0.0, m_new * qk_scale)  # rows that saw nothing yet: no inf - inf
     alpha = tl.math.exp2(m_i * qk_scale - m_scaled)
