@@ -5,6 +5,7 @@ GPU only. Writes ``bench/results/<gpu>-<date>.json`` and prints a markdown table
     python bench/bench_s2_attention.py            # everything (~20 min on an H100)
     python bench/bench_s2_attention.py --quick    # headline at T=131072 + short sweeps (< 8 min)
     python bench/bench_s2_attention.py --compare dkernel   # the issue-9 shapes against dkernel and cuDNN (~4 min)
+    python bench/bench_s2_attention.py --compare dkernel --rounds 3 --only "D=64"   # alternated 3 times, medians
 
 dkernel (the S2 authors' Triton library: the ``dkernel`` package, linxihui/dkernel, installed from its source) is a
 baseline whenever it is importable; it gets the identical pattern (``head_sliding_offset=0``) and, for GQA, K/V
@@ -24,6 +25,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -185,47 +187,63 @@ def compare_pattern(fields: dict, heads: int) -> S2Pattern:
     return S2Pattern(vert_stride=16, head_sliding_offset=0, head_sliding_step=max(1, 16 // heads), **fields)
 
 
-def compare(rows: list, baselines: list, budget: float, only: str | None, save) -> None:
+def compare(rows: list, baselines: list, budget: float, only: str | None, save, rounds: int = 1) -> None:
     """Issue 9's table: s2 vs dkernel vs cuDNN dense causal (and FlexAttention with the identical mask, BLOCK_SIZE
-    128, on the block-64 rows), with ratios and per-FLOP efficiency vs cuDNN; then the dense-work rows. ``save()``
-    after each shape: a run cut short keeps what it measured."""
+    128, on the block-64 rows), with ratios and per-FLOP efficiency vs cuDNN; then the dense-work rows. Each shape's
+    implementations are measured in turn ``rounds`` times (rows carry their round; the table takes medians), so that
+    a drift of the GPU's clocks during a shape weighs on all of them alike. ``save()`` after each shape: a run cut
+    short keeps what it measured."""
     from torch.nn.attention import SDPBackend
 
     modes = ("fwd", "fwd+bwd")
     selected = lambda name: not only or any(part in name for part in only.split(";"))  # noqa: E731
+    cases = []  # (shape name, [(impl, attention factory)], pattern, batch, heads, kv_heads, seqlen, head_dim)
     for name, fields, batch, seqlen, heads, kv_heads, head_dim in COMPARE_SHAPES:
-        if not selected(name):
-            continue
         pattern = compare_pattern(fields, heads)
-        shape = (pattern, batch, heads, kv_heads, seqlen, head_dim, modes, budget)
-        run_case(rows, name, "s2-triton", lambda p=pattern: s2(p), *shape)
+        impls = [("s2-triton", lambda p=pattern: s2(p))]
         if "dkernel" in baselines:
-            run_case(rows, name, "dkernel", lambda p=pattern, h=heads, g=kv_heads, t=seqlen: dkernel(p, h, g, t),
-                     *shape)
+            impls.append(("dkernel", lambda p=pattern, h=heads, g=kv_heads, t=seqlen: dkernel(p, h, g, t)))
         if "cudnn" in baselines:
-            run_case(rows, name, "sdpa-cudnn", lambda: sdpa(SDPBackend.CUDNN_ATTENTION), *shape)
+            impls.append(("sdpa-cudnn", lambda: sdpa(SDPBackend.CUDNN_ATTENTION)))
         if "flex" in baselines and pattern.block_size == 64:
-            run_case(rows, name, "flex-128", lambda p=pattern, h=heads, g=kv_heads, t=seqlen: flex(p, h, g, t, 128),
-                     *shape)
-        save()
+            impls.append(("flex-128", lambda p=pattern, h=heads, g=kv_heads, t=seqlen: flex(p, h, g, t, 128)))
+        cases.append((name, impls, pattern, batch, heads, kv_heads, seqlen, head_dim))
     for name, batch, seqlen in DENSE_WORK_SHAPES:
+        pattern = S2Pattern(block_size=64, local_blocks=seqlen // 64, vert_stride=16)
+        impls = [("s2-triton", lambda p=pattern: s2(p))]
+        if "cudnn" in baselines:
+            impls.append(("sdpa-cudnn", lambda: sdpa(SDPBackend.CUDNN_ATTENTION)))
+        cases.append((name, impls, pattern, batch, 32, 32, seqlen, 128))
+    for name, impls, pattern, *shape in cases:
         if not selected(name):
             continue
-        pattern = S2Pattern(block_size=64, local_blocks=seqlen // 64, vert_stride=16)
-        shape = (pattern, batch, 32, 32, seqlen, 128, modes, budget)
-        run_case(rows, name, "s2-triton", lambda p=pattern: s2(p), *shape)
-        if "cudnn" in baselines:
-            run_case(rows, name, "sdpa-cudnn", lambda: sdpa(SDPBackend.CUDNN_ATTENTION), *shape)
+        for round_ in range(rounds):
+            for impl, factory in impls:
+                run_case(rows, name, impl, factory, pattern, *shape, modes, budget, round_=round_)
         save()
 
 
 def print_comparison(rows: list) -> None:
-    """ms per (shape, impl, mode); ratio = dkernel ms / s2 ms (> 1: s2 faster); efficiency = cuDNN ms x density /
-    impl ms (the issue's per-FLOP efficiency against cuDNN's dense causal kernel)."""
-    table: dict = {}
+    """ms per (shape, impl, mode), the median over rounds; ratio = dkernel ms / s2 ms (> 1: s2 faster); efficiency =
+    cuDNN ms x density / impl ms (the issue's per-FLOP efficiency against cuDNN's dense causal kernel)."""
+    times: dict = {}
+    by_round = {(r["section"], r["impl"], r["mode"], r["round"]): r["ms"] for r in rows if "ms" in r}
     for r in rows:
         if "ms" in r:
-            table.setdefault(r["section"], {})[(r["impl"], r["mode"])] = (r["ms"], r["density"])
+            times.setdefault((r["section"], r["impl"], r["mode"]), ([], r["density"]))[0].append(r["ms"])
+    table: dict = {}
+    for (section, impl, mode), (ms, kept) in times.items():
+        table.setdefault(section, {})[(impl, mode)] = (statistics.median(ms), kept)
+
+    def ratio_cell(section, mode):
+        """dkernel / s2 of the medians, and the range of the rounds' own ratios when there were several."""
+        per_round = [by_round[(section, "dkernel", mode, n)] / ms for (sec, impl, m, n), ms in by_round.items()
+                     if (sec, impl, m) == (section, "s2-triton", mode) and (section, "dkernel", mode, n) in by_round]
+        if not per_round:
+            return "-"
+        median = table[section][("dkernel", mode)][0] / table[section][("s2-triton", mode)][0]
+        spread = f" ({min(per_round):.3f}-{max(per_round):.3f})" if len(per_round) > 1 else ""
+        return f"{median:.3f}{spread}"
     print("| shape | s2 fwd / fwd+bwd ms | dkernel fwd / fwd+bwd ms | dkernel / s2 fwd, fwd+bwd "
           "| cuDNN fwd / fwd+bwd ms | eff. vs cuDNN s2 fwd, fwd+bwd | eff. vs cuDNN dkernel fwd, fwd+bwd "
           "| Flex-128 fwd / fwd+bwd ms |")
@@ -239,7 +257,7 @@ def print_comparison(rows: list) -> None:
         s2_vals, s2_cell = cell(section, "s2-triton")
         dk_vals, dk_cell = cell(section, "dkernel")
         cu_vals, cu_cell = cell(section, "sdpa-cudnn")
-        ratio = ", ".join(f"{d[0] / s[0]:.2f}" if d and s else "-" for d, s in zip(dk_vals, s2_vals))
+        ratio = ", ".join(ratio_cell(section, mode) for mode in ("fwd", "fwd+bwd"))
         eff = [", ".join(f"{c[0] * c[1] / x[0]:.2f}" if c and x else "-" for c, x in zip(cu_vals, vals))
                for vals in (s2_vals, dk_vals)]
         print(f"| {section} | {s2_cell} | {dk_cell} | {ratio} | {cu_cell} | {eff[0]} | {eff[1]} "
@@ -250,7 +268,8 @@ def s2(pattern: S2Pattern):
     return lambda q, k, v: s2_attention(q, k, v, pattern, backend="triton")
 
 
-def run_case(rows, section, impl, attention_factory, pattern, batch, heads, kv_heads, seqlen, head_dim, modes, budget):
+def run_case(rows, section, impl, attention_factory, pattern, batch, heads, kv_heads, seqlen, head_dim, modes, budget,
+             round_: int = 0):
     dtype = torch.bfloat16
     q = torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype)
     k = torch.randn(batch, kv_heads, seqlen, head_dim, device="cuda", dtype=dtype)
@@ -262,7 +281,7 @@ def run_case(rows, section, impl, attention_factory, pattern, batch, heads, kv_h
         attention, setup_error = None, f"{type(error).__name__}: {error}"[:300]
     for mode in modes:
         row = dict(section=section, impl=impl, batch=batch, seqlen=seqlen, heads=heads, kv_heads=kv_heads,
-                   head_dim=head_dim, block_size=pattern.block_size, mode=mode, density=round(kept, 4))
+                   head_dim=head_dim, block_size=pattern.block_size, mode=mode, density=round(kept, 4), round=round_)
         try:
             if attention is None:
                 raise RuntimeError(setup_error)
@@ -293,6 +312,8 @@ def main():
                         help="only issue 9's shapes: s2 vs dkernel vs cuDNN, with ratios")
     parser.add_argument("--only", default=None,
                         help="with --compare: shapes whose name contains one of these (separated by ';')")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --compare: measure each shape's implementations in turn this many times")
     args = parser.parse_args()
     seqlens = [int(t) for t in (args.seqlens or ("131072" if args.quick else "8192,32768,131072")).split(",")]
     flex_blocks = [int(b) for b in (args.flex_blocks or ("128" if args.quick else "128,64")).split(",")]
@@ -322,7 +343,7 @@ def main():
         baselines.append("dkernel")
     if args.compare:
         sections = []
-        compare(rows, baselines, args.budget_ms or 300, args.only, save)
+        compare(rows, baselines, args.budget_ms or 300, args.only, save, args.rounds)
 
     if "headline" in sections:
         pattern = S2Pattern(block_size=HEADLINE["block_size"], local_blocks=HEADLINE["local_blocks"],
