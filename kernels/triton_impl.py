@@ -3,7 +3,7 @@
 Entry points: the launchers ``s2_attention_fwd`` and ``s2_attention_bwd``, per the backend contract in
 ``interface.py``. Call chain: ``s2_attention_fwd_kernel`` -> ``s2_attention_fwd`` -> the custom op ``s2::attention``
 (``interface.attention_op``, whose registered autograd calls ``s2::attention_backward``) -> ``s2_attention``;
-backward: ``s2_attention_bwd_preprocess_kernel`` (lse_log2, delta), ``s2_attention_bwd_dq_kernel`` and
+backward: ``s2_attention_bwd_dq_kernel`` (which also stores the rows' softmax statistics) and
 ``s2_attention_bwd_dkdv_kernel`` -> ``s2_attention_bwd``. On compute capability 9.0 the forward's tuner also times
 the warp-specialized Gluon forward (``hopper_fwd.py``, ``TileConfig.warp_specialized``) and runs it where it wins.
 
@@ -260,43 +260,29 @@ def s2_attention_fwd_kernel(
 
 
 @triton.jit
-def s2_attention_bwd_preprocess_kernel(
-    out, dout, lse, dlse,  # [B, H, T, D] x2, [B, H, T] float32 x2 (dlse read only when HAS_DLSE); any strides
-    lse_log2, delta,  # outputs: float32 [B, H, T] contiguous
-    stride_ob, stride_oh, stride_ot, stride_od,
-    stride_gb, stride_gh, stride_gt, stride_gd,
-    stride_lb, stride_lh, stride_lt,
-    stride_eb, stride_eh, stride_et,  # dlse
-    seqlen, num_heads,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, HAS_DLSE: tl.constexpr,
+def _softmax_stats(
+    out, lse, dlse, do_tile, seq, q_head, rows, row_ok, stride_ob, stride_oh, stride_ot, stride_od, stride_lb,
+    stride_lh, stride_lt, stride_eb, stride_eh, stride_et,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
-    """The per-row softmax statistics the dq and dk/dv kernels read: ``lse_log2`` (lse in log2 units, ``+inf`` for
-    rows that see no key, so that ``exp2(s - lse_log2) = 0`` there) and ``delta = rowsum(dO * O) - dlse`` (the lse
-    gradient enters the softmax backward exactly like -delta). Both contiguous: a full query unit's statistics are
-    one run of rows."""
-    head = tl.program_id(1)
-    batch = tl.program_id(2)
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < seqlen
-    out_head = out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
-    dout_head = dout + batch.to(tl.int64) * stride_gb + head.to(tl.int64) * stride_gh
-    o = _load_rows(out_head, rows, row_ok, stride_ot, stride_od, HEAD_DIM, BLOCK_D)
-    do = _load_rows(dout_head, rows, row_ok, stride_gt, stride_gd, HEAD_DIM, BLOCK_D)
-    row_delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    """The backward's per-row softmax statistics of ``rows`` (``do_tile``: their output gradient): ``lse`` in log2
+    units (``+inf`` for rows that are not real or see no key, so that ``exp2(s - lse_log2) = 0`` there) and
+    ``delta = rowsum(dO * O) - dlse`` (the lse gradient enters the softmax backward exactly like -delta)."""
+    out_head = out + seq.to(tl.int64) * stride_ob + q_head.to(tl.int64) * stride_oh
+    o_tile = _load_rows(out_head, rows, row_ok, stride_ot, stride_od, HEAD_DIM, BLOCK_D)
+    delta_row = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)
     if HAS_DLSE:
-        dlse_head = dlse + batch.to(tl.int64) * stride_eb + head.to(tl.int64) * stride_eh
-        row_delta -= tl.load(dlse_head + rows.to(tl.int64) * stride_et, mask=row_ok, other=0.0)
-    lse_head = lse + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
-    row_lse = tl.load(lse_head + rows.to(tl.int64) * stride_lt, mask=row_ok, other=0.0)
-    row_lse = tl.where(row_lse == -float("inf"), float("inf"), row_lse * 1.4426950408889634)
-    stats_rows = (batch.to(tl.int64) * num_heads + head) * seqlen + rows
-    tl.store(delta + stats_rows, row_delta, mask=row_ok)
-    tl.store(lse_log2 + stats_rows, row_lse, mask=row_ok)
+        dlse_head = dlse + seq.to(tl.int64) * stride_eb + q_head.to(tl.int64) * stride_eh
+        delta_row -= tl.load(dlse_head + rows.to(tl.int64) * stride_et, mask=row_ok, other=0.0)
+    lse_head = lse + seq.to(tl.int64) * stride_lb + q_head.to(tl.int64) * stride_lh
+    lse_row = tl.load(lse_head + rows.to(tl.int64) * stride_lt, mask=row_ok, other=-float("inf"))
+    return tl.where(lse_row == -float("inf"), float("inf"), lse_row * 1.4426950408889634), delta_row
 
 
 @triton.jit
 def _load_softmax_stats(lse_head, delta_head, rows, row_ok):
-    """Per query row: lse in log2 units (``+inf`` for rows that are not real or see no key, so p = 0) and delta."""
+    """Per query row, as ``_softmax_stats`` made them: lse in log2 units (``+inf`` for rows that are not real or
+    see no key, so p = 0) and delta."""
     lse_row = tl.load(lse_head + rows, mask=row_ok, other=float("inf"))
     delta_row = tl.load(delta_head + rows, mask=row_ok, other=0.0)
     return lse_row, delta_row
@@ -338,21 +324,28 @@ def _bwd_dq_step(
 
 @triton.jit
 def s2_attention_bwd_dq_kernel(
-    q, k, v, dout, lse_log2, delta, dq,  # q/dout/dq [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], lse_log2/delta [B, Hq, Tq]
+    q, k, v, out, dout, lse, dlse, dq,  # q/out/dout/dq [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], lse/dlse [B, Hq, Tq]
+    # float32 (dlse read only when HAS_DLSE)
+    lse_log2, delta,  # outputs for the dk/dv kernel: float32 [B, Hq, Tq] contiguous (_softmax_stats)
     k_desc, v_desc,  # as in s2_attention_fwd_kernel
     unit_lists, unit_bits, unit_counts, cu_seqlens_q, cu_seqlens_k,  # as in s2_attention_fwd_kernel
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
     stride_gb, stride_gh, stride_gt, stride_gd,  # dout
+    stride_ob, stride_oh, stride_ot, stride_od,
+    stride_lb, stride_lh, stride_lt,
+    stride_eb, stride_eh, stride_et,  # dlse
     stride_dqb, stride_dqh, stride_dqt, stride_dqd,
     stride_up, stride_ut, stride_cp, stride_ct,
     seqlen_q, seqlen_k, stride_sb, stride_sh, scale, qk_scale, q_heads_per_pattern, q_heads_per_kv,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, UNIT: tl.constexpr, CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr,
-    TMA: tl.constexpr, MASKED_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, MASKED_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
-    """Grid ``(num_q_tiles, Hq, B or S)``: dq of one query tile over its kept keys (same lists as the forward)."""
+    """Grid ``(num_q_tiles, Hq, B or S)``: dq of one query tile over its kept keys (same lists as the forward). Every
+    real query row lies in exactly one program's tile, which also stores the row's softmax statistics for the dk/dv
+    kernel, launched after this one."""
     q_head = tl.program_id(1)
     seq = tl.program_id(2)
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
@@ -372,8 +365,13 @@ def s2_attention_bwd_dq_kernel(
     do_head_base = dout + seq.to(tl.int64) * stride_gb + q_head.to(tl.int64) * stride_gh
     q_tile = _load_rows(q_head_base, rows, row_real, stride_qt, stride_qd, HEAD_DIM, BLOCK_D)  # [BLOCK_M, BLOCK_D]
     do_tile = _load_rows(do_head_base, rows, row_real, stride_gt, stride_gd, HEAD_DIM, BLOCK_D)
-    stats_offset = seq.to(tl.int64) * stride_sb + q_head.to(tl.int64) * stride_sh
-    lse_row, delta_row = _load_softmax_stats(lse_log2 + stats_offset, delta + stats_offset, rows, row_real)
+    lse_row, delta_row = _softmax_stats(
+        out, lse, dlse, do_tile, seq, q_head, rows, row_real, stride_ob, stride_oh, stride_ot, stride_od, stride_lb,
+        stride_lh, stride_lt, stride_eb, stride_eh, stride_et, HEAD_DIM, BLOCK_D, HAS_DLSE,
+    )
+    stats_rows = seq.to(tl.int64) * stride_sb + q_head.to(tl.int64) * stride_sh + rows
+    tl.store(lse_log2 + stats_rows, lse_row, mask=row_real)
+    tl.store(delta + stats_rows, delta_row, mask=row_real)
     k_head = k + seq.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_head = v + seq.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
     list_base, bits_base, num_full, num_entries = _tile_list(
@@ -450,7 +448,7 @@ def _bwd_dkdv_step(
 @triton.jit
 def s2_attention_bwd_dkdv_kernel(
     q, k, v, dout, lse_log2, delta, dk, dv,  # q/dout [B, Hq, Tq, D], k/v/dk/dv [B, Hkv, Tk, D], lse_log2/delta
-    # [B, Hq, Tq] (s2_attention_bwd_preprocess_kernel)
+    # [B, Hq, Tq] (stored by s2_attention_bwd_dq_kernel)
     q_desc, do_desc,  # TMA descriptors of q and dout (_row_descriptor), None unless TMA
     unit_lists, unit_bits, unit_counts,  # int32 [P, num_k_tiles, L] query units reading each key tile, their keep
     # bits; int32 [P, num_k_tiles, 2]
@@ -475,7 +473,8 @@ def s2_attention_bwd_dkdv_kernel(
     partial sums (float32) at ``dk/dv + split * stride_split`` for the launcher to add up: the longest lists (a
     group's G heads over an early vertical block, read by every later query) then no longer run end to end in one
     program. Key tiles stay the fastest grid dimension: neighbouring programs read the same heads' Q and dO from L2
-    (launching every head's early tiles first instead, longest first, was 1.2x slower: bench/NOTES.md)."""
+    (launching every head's early tiles first instead, longest first, was 1.2x slower; in chunks of 4096 or 16384
+    keys, 0.97-1.01x: bench/NOTES.md)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1) // GROUP_SPLIT
     split = tl.program_id(1) % GROUP_SPLIT
@@ -901,14 +900,8 @@ def s2_attention_bwd(
     problem = _problem(q, k, layout, varlen)
     constexprs = _common_constexprs(q, layout, problem)
 
-    # [B, Hq, Tq] float32 each: the rows' lse in log2 units and delta (s2_attention_bwd_preprocess_kernel)
+    # [B, Hq, Tq] float32 each: the rows' lse in log2 units and delta, stored by the dq kernel for the dk/dv kernel
     lse_log2, delta = (torch.empty(batch, num_q_heads, seqlen_q, dtype=torch.float32, device=q.device) for _ in "ld")
-    preprocess_rows = 64
-    s2_attention_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, preprocess_rows), num_q_heads, batch)](
-        out, dout, lse, dlse, lse_log2, delta, *out.stride(), *dout.stride(), *lse.stride(),
-        *(dlse if dlse is not None else lse).stride(), seqlen_q, num_q_heads,
-        HEAD_DIM=head_dim, BLOCK_D=constexprs["BLOCK_D"], BLOCK_T=preprocess_rows, HAS_DLSE=dlse is not None,
-    )
     stats_strides = (0 if problem.is_varlen else delta.stride(0), delta.stride(1))
     shared_args = (
         *problem.strides(q), *problem.strides(k), *problem.strides(v), *problem.strides(dout),
@@ -921,12 +914,13 @@ def s2_attention_bwd(
         grid = (problem.num_q_tiles(config.block_m), num_q_heads, problem.num_seqs)
         k_desc, v_desc = _row_descriptors(_use_tma(layout, config.block_n, head_dim, q.device), config.block_n, k, v)
         s2_attention_bwd_dq_kernel[grid](
-            q, k, v, dout, lse_log2, delta, dq, k_desc, v_desc, units, bits, counts, problem.cu_seqlens_q,
-            problem.cu_seqlens_k,
-            *shared_args, *problem.strides(dq), *units.stride()[:2], *counts.stride()[:2], *tail_args,
+            q, k, v, out, dout, lse, dlse, dq, lse_log2, delta, k_desc, v_desc, units, bits, counts,
+            problem.cu_seqlens_q, problem.cu_seqlens_k,
+            *shared_args, *problem.strides(out), *problem.strides(lse), *problem.strides(lse if dlse is None else dlse),
+            *problem.strides(dq), *units.stride()[:2], *counts.stride()[:2], *tail_args,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, UNIT=min(layout.block_size, config.block_n),
             TMA=k_desc is not None, MASKED_STAGES=_MASKED_LOOP_STAGES, num_warps=config.num_warps,
-            num_stages=config.num_stages, maxnreg=config.max_registers, **constexprs,
+            num_stages=config.num_stages, maxnreg=config.max_registers, HAS_DLSE=dlse is not None, **constexprs,
         )
 
     # TMA boxes are not masked: only where queries and keys are the same tokens (training), so that no full query
