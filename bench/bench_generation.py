@@ -30,6 +30,7 @@ from s2_models import S2LlamaConfig, S2LlamaForCausalLM, hybrid_sparsity
 from s2_models.cache_s2_llama import S2CacheLayer, kv_cache_bytes
 from s2_models.kernels.decode import s2_decode_attention
 from s2_models.kernels.decode_triton import DecodeTiles, decode_attention_triton
+from s2_models.kernels.triton_setup import tl, triton
 from s2_models.static_cache_s2_llama import S2StaticCache
 
 PATTERN = {"block_size": 64, "local_blocks": 16, "vert_stride": 16}
@@ -330,8 +331,6 @@ def graph_seconds(run, calls: int, replays: int = 20) -> float:
 def copy_bandwidth(gib: int = 4) -> float:
     """The ceiling of issue 9: bytes read plus bytes written per second of ``dst.copy_(src)`` over ``gib`` GiB
     (``triton.testing.do_bench``'s median, which clears the L2 cache between runs)."""
-    import triton
-
     src = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     milliseconds = triton.testing.do_bench(functools.partial(dst.copy_, src), return_mode="median")
@@ -414,11 +413,45 @@ LAUNCH_SHAPES = ((8, 4096), (8, 8192), (8, 16384), (8, 32768), (8, 65536), (8, 1
                  (16, 32768), (32, 32768))  # (batch, context) of one sparse layer's decode launch
 
 
+@triton.jit
+def streaming_sum_kernel(x, partials, num_elements, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """``partials[p]`` = the float32 sum of program ``p``'s share of ``x`` (grid-stride, ``BLOCK`` elements a step):
+    a read of the whole buffer with as little else as one launch can do."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in tl.range(0, num_elements, tl.num_programs(0) * BLOCK, num_stages=STAGES):
+        index = start + offsets
+        total += tl.load(x + index, mask=index < num_elements, other=0.0).to(tl.float32)
+    tl.store(partials + tl.program_id(0), tl.sum(total, 0))
+
+
+# (programs per SM, elements a step, pipeline stages) of streaming_sum_kernel tried for the read ceiling
+READ_LAUNCHES = [(programs, block, stages) for programs in (1, 2, 4, 8) for block in (2048, 8192) for stages in (1, 3)]
+
+
+def read_ceiling(flat: list[torch.Tensor], partials: torch.Tensor, calls: int = 2) -> dict:
+    """The fastest of ``READ_LAUNCHES`` reading each buffer of ``flat`` in one launch: how fast one launch of this
+    size can read its bytes at all, the bound for a decode kernel that must read them. Seconds per buffer."""
+    num_sms = torch.cuda.get_device_properties(flat[0].device).multi_processor_count
+    best = None
+    for programs, block, stages in READ_LAUNCHES:
+        grid = (programs * num_sms,)
+
+        def run(block=block, stages=stages, grid=grid):
+            for x in flat:
+                streaming_sum_kernel[grid](x, partials, x.numel(), BLOCK=block, STAGES=stages, num_warps=8)
+
+        seconds = min(graph_seconds(run, calls=calls) for _ in range(3)) / len(flat)
+        if best is None or seconds < best["seconds"]:
+            best = {"seconds": seconds, "programs_per_sm": programs, "block": block, "stages": stages}
+    return best
+
+
 def launch_sizes(sparse):
     """How far one launch's size limits its bandwidth: the decode kernel on full compact caches of a sparse layer
-    (synthetic, ``LAUNCH_SHAPES``) beside PyTorch's ``sum`` (reads the same bytes) and ``copy_`` (reads half, writes
-    half) of the same bytes in one launch, as fractions of the copy ceiling of this run. Fit over batch 8:
-    time = fixed + bytes / bandwidth."""
+    (synthetic, ``LAUNCH_SHAPES``) beside PyTorch's ``sum`` (reads the same bytes), ``copy_`` (reads half, writes
+    half) of the same bytes and the fastest read of them in one launch (``read_ceiling``), as fractions of the copy
+    ceiling of this run. Fit over batch 8: time = fixed + bytes / bandwidth."""
     cache = S2StaticCache(sparse.config, max_cache_len=256)
     prefill(sparse, 1, 128, cache=cache)  # fixes the layers' layouts (the static cache's ring size)
     layout = next(layer for layer in cache.layers if layer.is_sparse).layout
@@ -456,6 +489,12 @@ def launch_size_row(layout, batch, length, copy_bw):
     for name, run in runs.items():
         seconds = min(graph_seconds(run, calls=2) for _ in range(3)) / buffers
         row[name] = {"us": seconds * 1e6, "fraction_of_copy_bandwidth": nbytes / seconds / copy_bw}
+    partials = torch.empty(8 * torch.cuda.get_device_properties(q.device).multi_processor_count, device="cuda")
+    ceiling = read_ceiling(flat, partials)
+    seconds = ceiling.pop("seconds")
+    row["read_ceiling"] = {"us": seconds * 1e6, "fraction_of_copy_bandwidth": nbytes / seconds / copy_bw,
+                           "launch": ceiling}
+    row["decode"]["fraction_of_read_ceiling"] = row["read_ceiling"]["us"] / row["decode"]["us"]
     return row
 
 
