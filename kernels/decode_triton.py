@@ -12,6 +12,10 @@ Entry point ``decode_attention_triton(q, k_cache, v_cache, seq_lens, layout, num
   one-token step has ~25 us of work per sparse layer, and a combine launch cost ~3 us of it). With one split the
   program writes the output directly. The grid depends only on shapes, so a CUDA graph can replay it.
 * The slot -> block map is inlined (``_slot_blocks``, the same rule as ``decode.slot_blocks``): no block table.
+  Its inputs, the KV head's rows of the layout's residue tables (``vert_stride`` entries each), are loaded once per
+  program, beside the row length, and looked up in registers: the key loop loads nothing but K and V, so Triton's
+  pipeliner issues their copies ``num_stages - 1`` tiles ahead at every launch shape (table loads inside the loop had
+  left it one tile ahead, single-buffered, at most shapes; bench/NOTES.md).
 * A few compiled variants serve every chunk length and cache size: tile heights do not follow ``Tq`` (16 query rows,
   or 64 once a chunk has more), and the arguments that change from call to call (``Tq``, slot and split counts,
   strides that depend on ``Tq``) are not specialised on. Triton would otherwise compile a new variant whenever one
@@ -37,14 +41,16 @@ LOG2E = math.log2(math.e)
 
 
 @triton.jit
-def _slot_blocks(slot, last, kv_residues, kv_rank, num_vertical, num_ring, RING_BLOCKS: tl.constexpr,
+def _slot_blocks(slot, last, residue_row, rank_row, num_vertical, num_ring, RING_BLOCKS: tl.constexpr,
                  VERT_STRIDE: tl.constexpr):
-    """Block held by each ``slot`` (``-1`` if empty) for a row whose newest block is ``last``."""
+    """Block held by each ``slot`` (``-1`` if empty) for a row whose newest block is ``last``. ``residue_row`` /
+    ``rank_row``: the KV head's rows of the layout's tables, in registers (no loads in the key loop, whose K/V
+    copies the pipeliner can then issue ``num_stages - 1`` tiles ahead)."""
     ring_block = slot + ((last - slot) // RING_BLOCKS) * RING_BLOCKS  # used only where slot <= last (no negatives)
-    ring_rank = tl.load(kv_rank + (tl.maximum(ring_block, 0) % VERT_STRIDE), mask=slot < num_ring, other=-1)
+    ring_rank = tl.gather(rank_row, tl.maximum(ring_block, 0) % VERT_STRIDE, 0)
     ring_ok = (slot < num_ring) & (slot <= last) & (ring_rank < 0)
     v = tl.maximum(slot - num_ring, 0)
-    residue = tl.load(kv_residues + v % num_vertical, mask=slot >= num_ring, other=0)
+    residue = tl.gather(residue_row, v % tl.maximum(num_vertical, 1), 0)
     vertical_block = (v // num_vertical) * VERT_STRIDE + residue
     vertical_ok = (slot >= num_ring) & (vertical_block <= last)
     block = tl.where(slot < num_ring, ring_block, vertical_block)
@@ -95,8 +101,8 @@ def s2_decode_fwd_kernel(
     num_kv_heads, seqlen_q, num_ring, num_slots, num_splits, qk_scale,
     q_heads_per_kv, q_heads_per_pattern, num_pattern_heads, num_dense_heads, head_step, head_offset,
     LOCAL_BLOCKS: tl.constexpr, RING_BLOCKS: tl.constexpr, VERT_STRIDE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TABLE_WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(num_splits, num_row_tiles, B * Hkv)``. The pattern's sizes are compile-time constants: the slot map
     and the mask divide by them for every key of every tile, and a constant (a power of two in practice) turns
@@ -126,8 +132,13 @@ def s2_decode_fwd_kernel(
     q_tile = tl.load(q_ptrs, mask=row_mask(row_real, HEAD_DIM, BLOCK_D), other=0.0)  # [BLOCK_M, BLOCK_D]
     k_head = k_cache + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_head = v_cache + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
-    kv_residues = residues + kv_head.to(tl.int64) * stride_rh
-    kv_rank = ranks + kv_head.to(tl.int64) * stride_rh
+    # The KV head's table rows, loaded once, beside the row length (nothing here waits for it)
+    table_column = tl.arange(0, TABLE_WIDTH)  # [TABLE_WIDTH]: VERT_STRIDE rounded up to a power of two
+    table_row = kv_head.to(tl.int64) * stride_rh + table_column
+    in_table = table_column < VERT_STRIDE
+    residue_row = tl.load(residues + table_row, mask=in_table, other=0)
+    rank_row = tl.load(ranks + table_row, mask=in_table, other=-1)
+    upto_row = tl.load(vertical_upto + table_row, mask=in_table, other=0)
     num_vertical = tl.load(counts + kv_head)
 
     m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
@@ -136,15 +147,15 @@ def s2_decode_fwd_kernel(
     # The slots this row fills: the ring, then its vertical blocks up to ``last`` (a static cache allocates more;
     # the rest stays unread). Splits share them in whole key tiles.
     num_full_strides = last // VERT_STRIDE
-    vertical_slots = num_full_strides * num_vertical + tl.load(
-        vertical_upto + kv_head.to(tl.int64) * stride_rh + last % VERT_STRIDE)
+    vertical_slots = num_full_strides * num_vertical + tl.sum(tl.where(table_column == last % VERT_STRIDE, upto_row,
+                                                                       0))
     used = tl.minimum(num_slots, num_ring + vertical_slots) * BLOCK_SIZE
     tiles_per_split = tl.cdiv(tl.cdiv(used, BLOCK_N), num_splits)
     first = split * tiles_per_split * BLOCK_N
     end = tl.minimum(used, first + tiles_per_split * BLOCK_N)
     for start in range(first, end, BLOCK_N):
         key_rows = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of the cache
-        block = _slot_blocks(key_rows // BLOCK_SIZE, last, kv_residues, kv_rank, num_vertical, num_ring,
+        block = _slot_blocks(key_rows // BLOCK_SIZE, last, residue_row, rank_row, num_vertical, num_ring,
                              RING_BLOCKS, VERT_STRIDE)
         k_pos = block * BLOCK_SIZE + key_rows % BLOCK_SIZE
         key_ok = (key_rows < end) & (block >= 0) & (k_pos < seq_len)
@@ -275,7 +286,7 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
         hkv, tq, num_ring, num_slots, num_splits, scale * LOG2E,
         layout.q_heads_per_kv, layout.q_heads_per_pattern, num_heads, pattern.num_dense_heads,
         pattern.head_step(num_heads), pattern.head_sliding_offset,
-        pattern.local_blocks, layout.ring_blocks, pattern.vert_stride,
+        pattern.local_blocks, layout.ring_blocks, pattern.vert_stride, triton.next_power_of_2(pattern.vert_stride),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,

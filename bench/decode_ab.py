@@ -1,0 +1,125 @@
+"""The decode kernel (kernels/decode_triton.py) against other versions of that file, at one layer's launches (GPU).
+
+Each version's ``decode_attention_triton`` runs over full compact caches of ``bench_generation.py``'s 1B hybrid
+(batch x context of ``--shapes``), at each launch shape of ``--tiles`` (keys per tile x warps x pipeline stages)
+and each split count of ``--splits`` (``auto``: the version's own heuristic). Every timing is a CUDA graph over
+distinct caches of >= 400 MB in all, so that the L2 cache serves none of them (``bench_generation.launch_size_row``'s
+method), the arms alternated ``--rounds`` times in one process; bandwidth counts the K and V bytes read, as a fraction
+of this run's copy ceiling. Each arm's output is compared with the first version's at its first launch shape (a
+timing-only variant shows up as a large difference). The other versions are copies of ``decode_triton.py``, loaded as
+modules of ``s2_models.kernels`` so that their relative imports resolve::
+
+    git show HEAD~1:kernels/decode_triton.py > .gpu/decode_before.py
+    python bench/decode_ab.py --version before=.gpu/decode_before.py --out $OUT/decode_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import math
+import os
+import sys
+
+import torch
+from bench_generation import SHAPES, build, copy_bandwidth, graph_seconds, prefill
+
+from s2_models.kernels import decode_triton
+from s2_models.static_cache_s2_llama import S2StaticCache
+
+
+def load_version(path: str):
+    """A copy of ``decode_triton.py`` as a module of ``s2_models.kernels`` (registered, as dataclasses need)."""
+    name = "s2_models.kernels._decode_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def sparse_layout():
+    """The compact layout ``generate``'s static cache gives the 1B hybrid's sparse layers."""
+    model = build(dense=False)
+    cache = S2StaticCache(model.config, max_cache_len=256)
+    prefill(model, 1, 128, cache=cache)
+    layout = next(layer for layer in cache.layers if layer.is_sparse).layout
+    del model, cache
+    torch.cuda.empty_cache()
+    return layout
+
+
+def full_caches(layout, batch, length):
+    """Random full compact caches of one sparse layer (>= 400 MB in all), a query and the row lengths."""
+    num_ring = layout.num_ring_slots(length)
+    d = SHAPES["head_dim"]
+    shape = (batch, layout.num_kv_heads, (num_ring + layout.num_vertical_slots(length)) * layout.block_size, d)
+    nbytes = 2 * 2 * math.prod(shape)  # K and V, bf16
+    count = max(4, -(-400_000_000 // nbytes))
+    caches = [[torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)] for _ in range(count)]
+    q = torch.randn(batch, layout.num_q_heads, 1, d, device="cuda", dtype=torch.bfloat16)
+    seq_lens = torch.full((batch,), length, device="cuda", dtype=torch.int32)
+    return {"caches": caches, "q": q, "seq_lens": seq_lens, "num_ring": num_ring, "bytes": nbytes}
+
+
+def launch(module, setup, layout, tiles, splits, k, v):
+    return module.decode_attention_triton(setup["q"], k, v, setup["seq_lens"], layout, setup["num_ring"],
+                                          SHAPES["head_dim"] ** -0.5, splits, tiles=module.DecodeTiles(*tiles))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--version", action="append", default=[], help="name=path of a decode_triton.py copy")
+    parser.add_argument("--tiles", default="128x4x3", help="comma-separated keys x warps x stages")
+    parser.add_argument("--splits", default="auto", help="comma-separated split counts; auto: the heuristic")
+    parser.add_argument("--shapes", default="8x32768,8x4096,8x16384,1x32768,8x131072,32x32768")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    versions = {"head": decode_triton} | {name: load_version(path) for name, path in
+                                          (v.split("=", 1) for v in args.version)}
+    tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",")]
+    splits = [None if s == "auto" else int(s) for s in args.splits.split(",")]
+    arms = list(itertools.product(versions, tiles, splits))
+    layout = sparse_layout()
+    copy_bw = copy_bandwidth()
+    results = {"device": torch.cuda.get_device_name(), "copy_GBps": copy_bw / 1e9, "versions": list(versions),
+               "shapes": {}}
+    for shape in args.shapes.split(","):
+        batch, length = (int(x) for x in shape.split("x"))
+        results["shapes"][shape] = row = measure_shape(versions, arms, layout, batch, length, args.rounds, copy_bw)
+        print(shape, f"{row['bytes'] / 1e6:.0f} MB", flush=True)
+        for label, arm in row["arms"].items():
+            print(f"  {label:36s} {arm['median_us']:7.2f} us  {arm['fraction_of_copy_bandwidth']:.3f}"
+                  f"  diff {arm['max_abs_diff_vs_head']:.2e}  rounds {[round(u, 2) for u in arm['us']]}", flush=True)
+        torch.cuda.empty_cache()
+        with open(args.out, "w") as f:  # after each shape, so that a run cut by its time limit keeps what it measured
+            json.dump(results, f, indent=1)
+
+
+def measure_shape(versions, arms, layout, batch, length, rounds, copy_bw) -> dict:
+    """Every arm at one batch x context: its output's difference from the first arm's, its times over ``rounds``."""
+    setup = full_caches(layout, batch, length)
+    k0, v0 = setup["caches"][0]
+    _, tile0, split0 = arms[0]
+    reference = launch(versions["head"], setup, layout, tile0, split0, k0, v0).float()
+    row = {"bytes": setup["bytes"], "arms": {}}
+    for name, tile, split in arms:
+        out = launch(versions[name], setup, layout, tile, split, k0, v0).float()
+        row["arms"][f"{name} {'x'.join(map(str, tile))} splits={split or 'auto'}"] = {
+            "max_abs_diff_vs_head": (out - reference).abs().max().item(), "us": []}
+    for _ in range(rounds):
+        for (name, tile, split), arm in zip(arms, row["arms"].values()):
+            def run(name=name, tile=tile, split=split):
+                for k, v in setup["caches"]:
+                    launch(versions[name], setup, layout, tile, split, k, v)
+            arm["us"].append(min(graph_seconds(run, calls=2) for _ in range(3)) / len(setup["caches"]) * 1e6)
+    for arm in row["arms"].values():
+        arm["median_us"] = sorted(arm["us"])[len(arm["us"]) // 2]
+        arm["fraction_of_copy_bandwidth"] = setup["bytes"] / (arm["median_us"] / 1e6) / copy_bw
+    return row
+
+if __name__ == "__main__":
+    main()

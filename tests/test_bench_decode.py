@@ -1,0 +1,54 @@
+"""bench/decode_ab.py and bench/decode_timeline.py on the CPU (Triton's interpreter): a loaded copy of the decode
+kernel's module runs exactly as the package's, the chunk read sums every element once, and the timeline's source
+patches still find their places in the current kernel."""
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import decode_ab  # noqa: E402
+import decode_timeline  # noqa: E402
+
+from s2_models.kernels import decode_triton  # noqa: E402
+from s2_models.kernels.decode import CompactLayout  # noqa: E402
+from s2_models.kernels.pattern import S2Pattern  # noqa: E402
+
+
+def test_loaded_copy_runs_like_the_package(tmp_path):
+    copy = tmp_path / "decode_copy.py"
+    shutil.copy(decode_triton.__file__, copy)
+    module = decode_ab.load_version(str(copy))
+    assert module is not decode_triton and module.__name__.startswith("s2_models.kernels._decode_")
+    generator = torch.Generator().manual_seed(0)
+    layout = CompactLayout(S2Pattern(block_size=16, local_blocks=2, vert_stride=3), num_q_heads=4, num_kv_heads=2,
+                           ring_blocks=2)
+    seq_lens = torch.tensor([150, 97], dtype=torch.int32)
+    num_ring, slots = 2, 2 + 4  # ring blocks, then up to 4 vertical slots (150 tokens: blocks 0-9, 3 stripes)
+    q = torch.randn(2, 4, 1, 32, generator=generator)
+    k, v = (torch.randn(2, 2, slots * 16, 32, generator=generator) for _ in range(2))
+    scale = decode_ab.SHAPES["head_dim"] ** -0.5  # the harness's launcher scales as for its model
+    expected = decode_triton.decode_attention_triton(q, k, v, seq_lens, layout, num_ring, scale, 3,
+                                                     tiles=decode_triton.DecodeTiles(32, 4, 1))
+    setup = {"q": q, "seq_lens": seq_lens, "num_ring": num_ring}
+    assert torch.equal(decode_ab.launch(module, setup, layout, (32, 4, 1), 3, k, v), expected)
+
+
+@pytest.mark.parametrize("programs, block", [(3, 2048), (7, 4096)])
+def test_chunk_read_sums_every_element_once(programs, block):
+    x = torch.randn(10_007, generator=torch.Generator().manual_seed(programs)).to(torch.bfloat16)
+    chunk = -(-x.numel() // programs)
+    padded = torch.cat([x, torch.zeros(programs * chunk - x.numel(), dtype=x.dtype)])  # the last chunk's tail
+    partials = torch.empty(programs)
+    decode_timeline.chunk_sum_kernel[(programs,)](padded, partials, chunk, BLOCK=block, STAGES=1)
+    torch.testing.assert_close(partials.sum(), x.float().sum(), rtol=1e-5, atol=1e-3)
+
+
+def test_timeline_patches_apply_to_the_current_kernel(tmp_path):
+    module = decode_timeline.instrumented_kernel(str(tmp_path))  # raises if an anchor is gone
+    source = (tmp_path / "decode_timeline_kernel.py").read_text()
+    assert source.count("_stamp(trace_row,") == 5 and "if arrived == num_splits - 1:" in source
+    assert hasattr(module, "_stamp") and hasattr(module, "s2_decode_fwd_kernel")
