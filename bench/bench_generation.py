@@ -465,17 +465,25 @@ def launch_sizes(sparse):
     return {"copy_GBps": copy_bw / 1e9, "rows": rows, "decode_fit_batch8": {"fixed_us": fixed, "TBps": 1 / slope / 1e6}}
 
 
-def launch_size_row(layout, batch, length, copy_bw):
-    """One row of ``launch_sizes``: each timing a CUDA graph over distinct buffers of >= 400 MB in all, so the L2
-    cache serves none of them."""
+def full_caches(layout, batch, length) -> dict:
+    """Random full compact caches of one sparse layer, enough distinct ones (>= 400 MB in all) that a CUDA graph over
+    them finds none in the L2 cache; a query and the row lengths."""
     num_ring = layout.num_ring_slots(length)
     d = SHAPES["head_dim"]
     shape = (batch, layout.num_kv_heads, (num_ring + layout.num_vertical_slots(length)) * layout.block_size, d)
     nbytes = 2 * 2 * math.prod(shape)  # K and V, bf16
-    buffers = max(4, -(-400_000_000 // nbytes))
-    caches = [[torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)] for _ in range(buffers)]
-    seq_lens = torch.full((batch,), length, device="cuda", dtype=torch.int32)
+    count = max(4, -(-400_000_000 // nbytes))
+    caches = [[torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)] for _ in range(count)]
     q = torch.randn(batch, layout.num_q_heads, 1, d, device="cuda", dtype=torch.bfloat16)
+    seq_lens = torch.full((batch,), length, device="cuda", dtype=torch.int32)
+    return {"caches": caches, "q": q, "seq_lens": seq_lens, "num_ring": num_ring, "bytes": nbytes}
+
+
+def launch_size_row(layout, batch, length, copy_bw):
+    """One row of ``launch_sizes``: each timing a CUDA graph over ``full_caches``."""
+    setup = full_caches(layout, batch, length)
+    caches, q, seq_lens, num_ring, nbytes = (setup[key] for key in ("caches", "q", "seq_lens", "num_ring", "bytes"))
+    buffers, d = len(caches), SHAPES["head_dim"]
     flat = [torch.cat([k.flatten(), v.flatten()]) for k, v in caches]
     halves = [(x[: x.numel() // 2], torch.empty(x.numel() // 2, device="cuda", dtype=x.dtype)) for x in flat]
     total = torch.empty((), device="cuda", dtype=torch.float32)

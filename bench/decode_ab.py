@@ -3,8 +3,8 @@
 Each version's ``decode_attention_triton`` runs over full compact caches of ``bench_generation.py``'s 1B hybrid
 (batch x context of ``--shapes``), at each launch shape of ``--tiles`` (keys per tile x warps x pipeline stages)
 and each split count of ``--splits`` (``auto``: the version's own heuristic). Every timing is a CUDA graph over
-distinct caches of >= 400 MB in all, so that the L2 cache serves none of them (``bench_generation.launch_size_row``'s
-method), the arms alternated ``--rounds`` times in one process; bandwidth counts the K and V bytes read, as a fraction
+``bench_generation.full_caches`` (distinct caches of >= 400 MB in all, so that the L2 cache serves none of them),
+the arms alternated ``--rounds`` times in one process; bandwidth counts the K and V bytes read, as a fraction
 of this run's copy ceiling. Each arm's output is compared with the first version's at its first launch shape (a
 timing-only variant shows up as a large difference). The other versions are copies of ``decode_triton.py``, loaded as
 modules of ``s2_models.kernels`` so that their relative imports resolve::
@@ -19,12 +19,11 @@ import argparse
 import importlib.util
 import itertools
 import json
-import math
 import os
 import sys
 
 import torch
-from bench_generation import SHAPES, build, copy_bandwidth, graph_seconds, prefill
+from bench_generation import SHAPES, build, copy_bandwidth, full_caches, graph_seconds, prefill
 
 from s2_models.kernels import decode_triton
 from s2_models.static_cache_s2_llama import S2StaticCache
@@ -49,19 +48,6 @@ def sparse_layout():
     del model, cache
     torch.cuda.empty_cache()
     return layout
-
-
-def full_caches(layout, batch, length):
-    """Random full compact caches of one sparse layer (>= 400 MB in all), a query and the row lengths."""
-    num_ring = layout.num_ring_slots(length)
-    d = SHAPES["head_dim"]
-    shape = (batch, layout.num_kv_heads, (num_ring + layout.num_vertical_slots(length)) * layout.block_size, d)
-    nbytes = 2 * 2 * math.prod(shape)  # K and V, bf16
-    count = max(4, -(-400_000_000 // nbytes))
-    caches = [[torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)] for _ in range(count)]
-    q = torch.randn(batch, layout.num_q_heads, 1, d, device="cuda", dtype=torch.bfloat16)
-    seq_lens = torch.full((batch,), length, device="cuda", dtype=torch.int32)
-    return {"caches": caches, "q": q, "seq_lens": seq_lens, "num_ring": num_ring, "bytes": nbytes}
 
 
 def launch(module, setup, layout, tiles, splits, k, v):

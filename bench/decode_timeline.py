@@ -4,7 +4,7 @@
 its start, once its split's key range is known (the prologue's loads have arrived), after its key loop, after its
 split-counter atomic and, for the program that merges, after the merge. Each stamp is predicated on the value it
 follows, so it cannot be taken before that value exists. Launches run eagerly over the full compact caches of
-``bench_generation.py``'s 1B hybrid (``decode_ab.full_caches``); percentiles per phase, in microseconds from the
+``bench_generation.py``'s 1B hybrid (``bench_generation.full_caches``); percentiles per phase, in microseconds from the
 launch's first program start.
 
 Beside it, reads of 50 MB in one launch by a trivial kernel: each program summing one contiguous chunk (as the
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench_generation import copy_bandwidth, graph_seconds, streaming_sum_kernel
-from decode_ab import full_caches, launch, load_version, sparse_layout
+from bench_generation import copy_bandwidth, full_caches, graph_seconds, streaming_sum_kernel
+from decode_ab import launch, load_version, sparse_layout
 
 from s2_models.kernels.triton_setup import tl, triton
 
@@ -38,7 +38,7 @@ def _stamp(trace, index, dep):
 
 
 '''
-# (anchor in the kernel's source, text inserted after it)
+# (anchor in the kernel's source, text inserted after it; or before it where the text ends the anchor's tuple)
 PATCHES = [
     ("    q, k_cache, v_cache, seq_lens, residues, ranks, counts, out, partial, lse, split_counters,", " trace,"),
     ("    row_tile = tl.program_id(1)\n",
@@ -46,7 +46,7 @@ PATCHES = [
      "    trace_row = trace + pid.to(tl.int64) * 8\n"
      "    _stamp(trace_row, 0, pid)\n"
      "    tl.store(trace_row + 5, tl.extra.cuda.smid().to(tl.int64))\n"),
-    ("    end = tl.minimum(used, first + tiles_per_split * BLOCK_N)\n", "    _stamp(trace_row, 1, end)\n"),
+    ("    for start in range(first, end, BLOCK_N):\n", "    _stamp(trace_row, 1, end)\n", "before"),
     ("        m_i = m_new\n",
      "    _stamp(trace_row, 2, (tl.sum(l_i, 0) + tl.sum(tl.sum(acc, 1), 0) * 1e-30 > -1.0).to(tl.int32))\n"),
     ('        counter = split_counters + tl.program_id(2) * tl.num_programs(1) + row_tile\n',
@@ -65,10 +65,10 @@ def instrumented_kernel(directory: str):
     """A copy of the decode kernel's module with the timeline stamps (``module.TRACE`` after each launch)."""
     source = KERNEL.read_text()
     source = source.replace("# Tile heights independent", STAMP + "# Tile heights independent", 1)
-    for anchor, insert in PATCHES:
+    for anchor, insert, *before in PATCHES:
         if source.count(anchor) != 1:
             raise RuntimeError(f"the kernel changed: anchor not found once: {anchor!r}")
-        source = source.replace(anchor, anchor + insert)
+        source = source.replace(anchor, insert + anchor if before else anchor + insert)
     source = source.replace(
         '        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:',
         "        if arrived == num_splits - 1:")
@@ -92,7 +92,10 @@ def phases(trace: np.ndarray) -> dict:
             "prologue": pct(stamps[:, 1] - stamps[:, 0]), "loop_end": pct(stamps[:, 2], (0, 10, 50, 90, 100)),
             "loop": pct(stamps[:, 2] - stamps[:, 1]), "atomic": pct(stamps[:, 3] - stamps[:, 2]),
             "merge": pct(stamps[:, 4] - stamps[:, 3]), "programs": int(trace.shape[0]),
-            "most_programs_on_one_sm": int(np.bincount(trace[:, 5]).max())}
+            "most_programs_on_one_sm": int(np.bincount(trace[:, 5]).max()),
+            # per program (in grid order: split fastest): its SM, then start, key range known, loop end, last stamp
+            "per_program": [[int(sm), *np.round(row, 2).tolist()]
+                            for sm, row in zip(trace[:, 5], np.column_stack([stamps[:, :3], ends]))]}
 
 
 def timelines(shapes: list[str], launches: int = 3) -> dict:
@@ -110,7 +113,8 @@ def timelines(shapes: list[str], launches: int = 3) -> dict:
                 if i >= len(setup["caches"]) - launches:
                     rows.append(phases(module.TRACE.cpu().numpy()))
             results[shape] = {"bytes": setup["bytes"], "launches": rows}
-            print(shape, f"{setup['bytes'] / 1e6:.0f} MB", *rows, sep="\n  ", flush=True)
+            print(shape, f"{setup['bytes'] / 1e6:.0f} MB", *({k: v for k, v in row.items() if k != "per_program"}
+                                                            for row in rows), sep="\n  ", flush=True)
             del setup
             torch.cuda.empty_cache()
     return results

@@ -6,6 +6,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,3 +53,19 @@ def test_timeline_patches_apply_to_the_current_kernel(tmp_path):
     source = (tmp_path / "decode_timeline_kernel.py").read_text()
     assert source.count("_stamp(trace_row,") == 5 and "if arrived == num_splits - 1:" in source
     assert hasattr(module, "_stamp") and hasattr(module, "s2_decode_fwd_kernel")
+
+
+def test_timeline_phases_from_stamps():
+    """Stamps in ns from an arbitrary origin; -1 where a program did not stamp (no merge, or one split)."""
+    trace = np.full((4, 8), -1, dtype=np.int64)
+    trace[:, 0] = [5_000, 5_100, 5_200, 5_000]  # starts
+    trace[:, 1] = trace[:, 0] + 1_000  # key range known
+    trace[:, 2] = trace[:, 1] + [10_000, 12_000, 14_000, 16_000]  # key loops
+    trace[:, 3] = trace[:, 2] + 500  # atomics
+    trace[3, 4] = trace[3, 3] + 700  # only the last program merges
+    trace[:, 5] = [0, 1, 1, 2]  # SMs
+    phases = decode_timeline.phases(trace)
+    assert phases["start"] == [0.0, 0.05, 0.2] and phases["prologue"] == [1.0, 1.0, 1.0]
+    assert phases["loop"] == [10.0, 13.0, 16.0] and phases["merge"] == [0.7, 0.7, 0.7]
+    assert phases["span_us"] == 18.2 and phases["most_programs_on_one_sm"] == 2
+    assert phases["per_program"][3] == [2, 0.0, 1.0, 17.0, 18.2]
