@@ -72,7 +72,11 @@ def test_torch_path_matches_reference(pattern, tq):
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
 
 
-@pytest.mark.parametrize("pattern", PATTERNS[::3])
+# vert_stride 20: a table row wider than 16 residues (the kernel pads it to 32)
+WIDE_STRIDE = S2Pattern(block_size=16, local_blocks=2, vert_stride=20)
+
+
+@pytest.mark.parametrize("pattern", [*PATTERNS[::3], WIDE_STRIDE], ids=repr)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tq,num_splits", [(1, 1), (1, 3), (9, 2)])
 def test_triton_matches_torch_path(pattern, dtype, tq, num_splits):
