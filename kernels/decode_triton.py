@@ -13,9 +13,10 @@ Entry point ``decode_attention_triton(q, k_cache, v_cache, seq_lens, layout, num
   program writes the output directly. The grid depends only on shapes, so a CUDA graph can replay it.
 * The slot -> block map is inlined (``_slot_blocks``, the same rule as ``decode.slot_blocks``): no block table.
   Its inputs, the KV head's rows of the layout's residue tables (``vert_stride`` entries each), are loaded once per
-  program, beside the row length, and looked up in registers: the key loop loads nothing but K and V, so Triton's
-  pipeliner issues their copies ``num_stages - 1`` tiles ahead at every launch shape (table loads inside the loop had
-  left it one tile ahead, single-buffered, at most shapes; bench/NOTES.md).
+  program, beside the row length, and looked up with ``tl.gather`` (which Triton lowers through shared memory): the
+  key loop loads nothing from global memory but K and V, so Triton's pipeliner issues their copies
+  ``num_stages - 1`` tiles ahead at every launch shape (table loads inside the loop had left it one tile ahead,
+  single-buffered, at most shapes; bench/NOTES.md).
 * A few compiled variants serve every chunk length and cache size: tile heights do not follow ``Tq`` (16 query rows,
   or 64 once a chunk has more), and the arguments that change from call to call (``Tq``, slot and split counts,
   strides that depend on ``Tq``) are not specialised on. Triton would otherwise compile a new variant whenever one
@@ -44,8 +45,8 @@ LOG2E = math.log2(math.e)
 def _slot_blocks(slot, last, residue_row, rank_row, num_vertical, num_ring, RING_BLOCKS: tl.constexpr,
                  VERT_STRIDE: tl.constexpr):
     """Block held by each ``slot`` (``-1`` if empty) for a row whose newest block is ``last``. ``residue_row`` /
-    ``rank_row``: the KV head's rows of the layout's tables, in registers (no loads in the key loop, whose K/V
-    copies the pipeliner can then issue ``num_stages - 1`` tiles ahead)."""
+    ``rank_row``: the KV head's rows of the layout's tables, loaded before the key loop (no global loads in it, so
+    the pipeliner can issue the K/V copies ``num_stages - 1`` tiles ahead)."""
     ring_block = slot + ((last - slot) // RING_BLOCKS) * RING_BLOCKS  # used only where slot <= last (no negatives)
     ring_rank = tl.gather(rank_row, tl.maximum(ring_block, 0) % VERT_STRIDE, 0)
     ring_ok = (slot < num_ring) & (slot <= last) & (ring_rank < 0)
