@@ -121,13 +121,15 @@ def timelines(shapes: list[str], launches: int = 3) -> dict:
 
 
 @triton.jit
-def chunk_sum_kernel(x, partials, chunk, BLOCK: tl.constexpr, STAGES: tl.constexpr):
-    """``partials[p]`` = the float32 sum of the ``p``-th contiguous ``chunk`` of ``x``."""
-    base = x + tl.program_id(0).to(tl.int64) * chunk
+def chunk_sum_kernel(x, partials, num_elements, chunk, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """``partials[p]`` = the float32 sum of the ``p``-th contiguous ``chunk`` of ``x`` (``num_elements`` long; the
+    last chunk may be short)."""
+    first = tl.program_id(0).to(tl.int64) * chunk
+    end = tl.minimum(first + chunk, num_elements)
     offsets = tl.arange(0, BLOCK)
     total = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in tl.range(0, chunk, BLOCK, num_stages=STAGES):
-        total += tl.load(base + start + offsets, mask=start + offsets < chunk, other=0.0).to(tl.float32)
+    for start in tl.range(first, end, BLOCK, num_stages=STAGES):
+        total += tl.load(x + start + offsets, mask=start + offsets < end, other=0.0).to(tl.float32)
     tl.store(partials + tl.program_id(0), tl.sum(total, 0))
 
 
@@ -144,7 +146,8 @@ def reads(nbytes: int = 50 << 20) -> dict:
                 chunk = -(-(nbytes // 2) // programs)
                 arms[f"chunks programs={programs} warps={warps} block={block} stages={stages}"] = (
                     lambda programs=programs, warps=warps, block=block, stages=stages, chunk=chunk: [
-                        chunk_sum_kernel[(programs,)](x, partials, chunk, BLOCK=block, STAGES=stages, num_warps=warps)
+                        chunk_sum_kernel[(programs,)](x, partials, x.numel(), chunk, BLOCK=block, STAGES=stages,
+                                                      num_warps=warps)
                         for x in buffers])
     for per_sm in (2, 4):
         arms[f"grid-stride {per_sm}/SM warps=8 block=8192 stages=3"] = (lambda per_sm=per_sm: [
