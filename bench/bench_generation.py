@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import functools
 import json
-import math
 import time
 import traceback
 from dataclasses import asdict
@@ -465,16 +464,19 @@ def launch_sizes(sparse):
     return {"copy_GBps": copy_bw / 1e9, "rows": rows, "decode_fit_batch8": {"fixed_us": fixed, "TBps": 1 / slope / 1e6}}
 
 
-def full_caches(layout, batch, length) -> dict:
+def full_caches(layout, batch, length, spare_slots=0, query_tokens=1) -> dict:
     """Random full compact caches of one sparse layer, enough distinct ones (>= 400 MB in all) that a CUDA graph over
-    them finds none in the L2 cache; a query and the row lengths."""
+    them finds none in the L2 cache; a query and the row lengths. ``spare_slots``: slots a row holds beyond those its
+    ``length`` fills (a static cache allocated for longer rows; they change the rows' strides, and are not read).
+    ``query_tokens``: new tokens a row (a verify chunk of speculative decoding, a prefill chunk)."""
     num_ring = layout.num_ring_slots(length)
     d = SHAPES["head_dim"]
-    shape = (batch, layout.num_kv_heads, (num_ring + layout.num_vertical_slots(length)) * layout.block_size, d)
-    nbytes = 2 * 2 * math.prod(shape)  # K and V, bf16
+    used_slots = num_ring + layout.num_vertical_slots(length)
+    shape = (batch, layout.num_kv_heads, (used_slots + spare_slots) * layout.block_size, d)
+    nbytes = 2 * 2 * batch * layout.num_kv_heads * used_slots * layout.block_size * d  # K and V read, bf16
     count = max(4, -(-400_000_000 // nbytes))
     caches = [[torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)] for _ in range(count)]
-    q = torch.randn(batch, layout.num_q_heads, 1, d, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, layout.num_q_heads, query_tokens, d, device="cuda", dtype=torch.bfloat16)
     seq_lens = torch.full((batch,), length, device="cuda", dtype=torch.int32)
     return {"caches": caches, "q": q, "seq_lens": seq_lens, "num_ring": num_ring, "bytes": nbytes}
 

@@ -61,7 +61,9 @@ def main():
     parser.add_argument("--version", action="append", default=[], help="name=path of a decode_triton.py copy")
     parser.add_argument("--tiles", default="128x4x3", help="comma-separated keys x warps x stages")
     parser.add_argument("--splits", default="auto", help="comma-separated split counts; auto: the heuristic")
-    parser.add_argument("--shapes", default="8x32768,8x4096,8x16384,1x32768,8x131072,32x32768")
+    parser.add_argument("--shapes", default="8x32768,8x4096,8x16384,1x32768,8x131072,32x32768",
+                        help="comma-separated batch x context, each optionally +S: S spare slots a row (unread)")
+    parser.add_argument("--query-tokens", type=int, default=1, help="new tokens a row (1: a decode step)")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     versions = {"head": decode_triton} | {name: load_version(path) for name, path in
@@ -72,10 +74,12 @@ def main():
     layout = sparse_layout()
     copy_bw = copy_bandwidth()
     results = {"device": torch.cuda.get_device_name(), "copy_GBps": copy_bw / 1e9, "versions": list(versions),
-               "shapes": {}}
+               "query_tokens": args.query_tokens, "shapes": {}}
     for shape in args.shapes.split(","):
-        batch, length = (int(x) for x in shape.split("x"))
-        results["shapes"][shape] = row = measure_shape(versions, arms, layout, batch, length, args.rounds, copy_bw)
+        size, _, spare = shape.partition("+")
+        batch, length = (int(x) for x in size.split("x"))
+        results["shapes"][shape] = row = measure_shape(versions, arms, layout, batch, length, int(spare or 0),
+                                                       args.query_tokens, args.rounds, copy_bw)
         print(shape, f"{row['bytes'] / 1e6:.0f} MB", flush=True)
         for label, arm in row["arms"].items():
             print(f"  {label:36s} {arm['median_us']:7.2f} us  {arm['fraction_of_copy_bandwidth']:.3f}"
@@ -85,9 +89,9 @@ def main():
             json.dump(results, f, indent=1)
 
 
-def measure_shape(versions, arms, layout, batch, length, rounds, copy_bw) -> dict:
+def measure_shape(versions, arms, layout, batch, length, spare_slots, query_tokens, rounds, copy_bw) -> dict:
     """Every arm at one batch x context: its output's difference from the first arm's, its times over ``rounds``."""
-    setup = full_caches(layout, batch, length)
+    setup = full_caches(layout, batch, length, spare_slots, query_tokens)
     k0, v0 = setup["caches"][0]
     _, tile0, split0 = arms[0]
     reference = launch(versions["head"], setup, layout, tile0, split0, k0, v0).float()

@@ -46,9 +46,9 @@ PATCHES = [
      "    trace_row = trace + pid.to(tl.int64) * 8\n"
      "    _stamp(trace_row, 0, pid)\n"
      "    tl.store(trace_row + 5, tl.extra.cuda.smid().to(tl.int64))\n"),
-    ("    for start in range(first, end, BLOCK_N):\n", "    _stamp(trace_row, 1, end)\n", "before"),
-    ("        m_i = m_new\n",
-     "    _stamp(trace_row, 2, (tl.sum(l_i, 0) + tl.sum(tl.sum(acc, 1), 0) * 1e-30 > -1.0).to(tl.int32))\n"),
+    ("    if KEY_GROUPS == 1:\n", "    _stamp(trace_row, 1, end)\n", "before"),
+    ("    seen = l_i > 0\n",
+     "    _stamp(trace_row, 2, (tl.sum(l_i, 0) + tl.sum(tl.sum(acc, 1), 0) * 1e-30 > -1.0).to(tl.int32))\n", "before"),
     ('        counter = split_counters + tl.program_id(2) * tl.num_programs(1) + row_tile\n',
      '        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")\n'
      "        _stamp(trace_row, 3, arrived)\n"),

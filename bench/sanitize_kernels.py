@@ -18,7 +18,7 @@ os.environ.setdefault("S2_ATTENTION_AUTOTUNE", "0")
 import torch
 
 from s2_models.kernels import S2Pattern, s2_attention, triton_impl
-from s2_models.kernels.decode import CompactLayout, s2_cache_append, s2_decode_attention
+from s2_models.kernels.decode import CompactLayout, ring_blocks_for, s2_cache_append, s2_decode_attention
 from s2_models.kernels.fused import add_rms_norm, linear_group, linear_swiglu, rms_norm, rotary_embedding, swiglu
 
 torch.manual_seed(0)
@@ -49,6 +49,12 @@ for dtype in (torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.flo
                             num_splits=3)  # the last split merges the others
         s2_decode_attention(q.detach()[:, :, :1], ahead, ahead, seq_lens, layout, num_ring_slots=layout.ring_blocks,
                             num_splits=3, split_counters=torch.zeros(4, dtype=torch.int32, device=DEVICE))
+        for chunk in (5, 9):  # 20 query rows: two small row tiles; 36: one large row tile
+            chunk_layout = CompactLayout(pattern, 8, 2, ring_blocks_for(pattern, chunk))
+            chunk_slots = chunk_layout.num_ring_slots(n) + chunk_layout.num_vertical_slots(n)
+            chunk_cache = torch.randn(2, 2, chunk_slots * pattern.block_size, d, device=DEVICE, dtype=dtype)
+            s2_decode_attention(torch.randn(2, 8, chunk, d, device=DEVICE, dtype=dtype), chunk_cache, chunk_cache,
+                                seq_lens, chunk_layout, num_ring_slots=chunk_layout.num_ring_slots(n), num_splits=2)
         new = k.detach()[:, :, :3]
         s2_cache_append(cache, cache.clone(), new, new, seq_lens, layout, num_ring_slots=layout.num_ring_slots(n))
     # The fused RMSNorm (more rows than the backward's programs, odd width, row stride != width), SwiGLU (masked

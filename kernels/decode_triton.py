@@ -13,15 +13,19 @@ Entry point ``decode_attention_triton(q, k_cache, v_cache, seq_lens, layout, num
   program writes the output directly. The grid depends only on shapes, so a CUDA graph can replay it.
 * The slot -> block map is inlined (``_slot_blocks``, the same rule as ``decode.slot_blocks``): no block table.
   Its inputs, the KV head's rows of the layout's residue tables (``vert_stride`` entries each), are loaded once per
-  program, beside the row length, and looked up with ``tl.gather`` (which Triton lowers through shared memory): the
-  key loop loads nothing from global memory but K and V, so Triton's pipeliner issues their copies
-  ``num_stages - 1`` tiles ahead at every launch shape (table loads inside the loop had left it one tile ahead,
-  single-buffered, at most shapes; bench/NOTES.md).
-* A few compiled variants serve every chunk length and cache size: tile heights do not follow ``Tq`` (16 query rows,
-  or 64 once a chunk has more), and the arguments that change from call to call (``Tq``, slot and split counts,
-  strides that depend on ``Tq``) are not specialised on. Triton would otherwise compile a new variant whenever one
-  of them became 1 or a multiple of 16 or a tile height changed: a JIT compile (~1 s on a GPU) in the middle of
-  speculative decoding, whose verify chunks change length every forward.
+  program, beside the row length: the key loop loads nothing from global memory but K and V, so Triton's pipeliner
+  issues their copies ``num_stages - 1`` tiles ahead at every launch shape (table loads inside the loop had left it
+  one tile ahead, single-buffered, at most shapes). Up to 16 residues the rows are packed into the bits of two
+  integers and looked up with shifts; wider rows are looked up with ``tl.gather``, which Triton lowers through
+  shared memory, with barriers in every tile.
+* Each warp takes its own share of every key tile and keeps its own softmax state, merged once after the loop: no
+  reduction crosses warps inside it. Together with the bit tables, that leaves 2 barriers in a tile instead of 16,
+  a shorter chain per tile for the launches that are too small to fill the GPU's memory system (bench/NOTES.md).
+* A few compiled variants serve every chunk length and cache size: tile heights do not follow ``Tq`` (one or two
+  tiles of 16 query rows, or 64-row tiles once a chunk has more than 32 rows), and the arguments that change from
+  call to call (``Tq``, slot and split counts, strides that depend on ``Tq``) are not specialised on. Triton would
+  otherwise compile a new variant whenever one of them became 1 or a multiple of 16 or a tile height changed: a JIT
+  compile (~1 s on a GPU) in the middle of speculative decoding, whose verify chunks change length every forward.
 
 Numerics: online softmax in base 2, fp32 accumulation, IEEE fp32 dots for fp32 inputs.
 """
@@ -42,24 +46,59 @@ LOG2E = math.log2(math.e)
 
 
 @triton.jit
-def _slot_blocks(slot, last, residue_row, rank_row, num_vertical, num_ring, RING_BLOCKS: tl.constexpr,
-                 VERT_STRIDE: tl.constexpr):
+def _slot_blocks(slot, last, residue_row, rank_row, vertical_bits, packed_residues, num_vertical, num_ring,
+                 RING_BLOCKS: tl.constexpr, VERT_STRIDE: tl.constexpr, TABLE_WIDTH: tl.constexpr):
     """Block held by each ``slot`` (``-1`` if empty) for a row whose newest block is ``last``. ``residue_row`` /
     ``rank_row``: the KV head's rows of the layout's tables, loaded before the key loop (no global loads in it, so
-    the pipeliner can issue the K/V copies ``num_stages - 1`` tiles ahead)."""
+    the pipeliner can issue the K/V copies ``num_stages - 1`` tiles ahead). Up to 16 residues the same tables come as
+    the bits of two integers (``vertical_bits``: bit r set if residue r is vertical; ``packed_residues``: the i-th
+    residue in bits 4i..4i+3), looked up with shifts: a ``tl.gather`` goes through shared memory, with barriers."""
     ring_block = slot + ((last - slot) // RING_BLOCKS) * RING_BLOCKS  # used only where slot <= last (no negatives)
-    ring_rank = tl.gather(rank_row, tl.maximum(ring_block, 0) % VERT_STRIDE, 0)
-    ring_ok = (slot < num_ring) & (slot <= last) & (ring_rank < 0)
     v = tl.maximum(slot - num_ring, 0)
-    residue = tl.gather(residue_row, v % tl.maximum(num_vertical, 1), 0)
+    if TABLE_WIDTH <= 16:
+        ring_vertical = (vertical_bits >> (tl.maximum(ring_block, 0) % VERT_STRIDE).to(tl.int64)) & 1
+        residue = ((packed_residues >> ((v % tl.maximum(num_vertical, 1)) * 4).to(tl.int64)) & 15).to(tl.int32)
+    else:
+        ring_vertical = tl.gather(rank_row, tl.maximum(ring_block, 0) % VERT_STRIDE, 0) >= 0
+        residue = tl.gather(residue_row, v % tl.maximum(num_vertical, 1), 0)
+    ring_ok = (slot < num_ring) & (slot <= last) & (ring_vertical == 0)
     vertical_block = (v // num_vertical) * VERT_STRIDE + residue
     vertical_ok = (slot >= num_ring) & (vertical_block <= last)
     block = tl.where(slot < num_ring, ring_block, vertical_block)
     return tl.where(ring_ok | vertical_ok, block, -1)
 
 
-# Tile heights independent of the chunk length (see the module docstring): query rows of a decode program (a
-# one-token step's query group fits the small tile), and new tokens per program of the append kernel.
+@triton.jit
+def _visible(q_block, q_pos, dense_row, vertical_residue, row_real, block, k_pos, key_ok,
+             LOCAL_BLOCKS: tl.constexpr, VERT_STRIDE: tl.constexpr):
+    """Which (query row, key) pairs the pattern keeps and causality allows. The row-side arguments come expanded over
+    the key axis and the key-side ones over the row axis, so one rule serves [M, N] and [G, M, N] tiles. Key block
+    ``j`` is vertical for a row when ``j % VERT_STRIDE == vertical_residue``: one remainder per key, not per pair."""
+    kept = (q_block - block < LOCAL_BLOCKS) | dense_row | (block % VERT_STRIDE == vertical_residue)
+    return kept & key_ok & row_real & (k_pos <= q_pos)
+
+
+@triton.jit
+def _online_softmax_step(s, visible, v_ptrs, v_mask, m_i, l_i, acc, KEY_AXIS: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    """One key tile of the online softmax (base 2; ``s`` already scaled by log2(e) / sqrt(D)) over ``KEY_AXIS``. V is
+    loaded here, after P: its pipelined copy is waited for only where the product needs it (waiting before the
+    softmax cost ~5% at one-token steps, bench/NOTES.md)."""
+    s = tl.where(visible, s, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(s, KEY_AXIS))
+    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that saw nothing yet: avoid inf - inf
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(s - tl.expand_dims(m_safe, KEY_AXIS))
+    l_i = l_i * alpha + tl.sum(p, KEY_AXIS)
+    v_tile = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    acc = acc * tl.expand_dims(alpha, KEY_AXIS) + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+# Tile heights independent of the chunk length (see the module docstring): query rows of a decode program, and new
+# tokens per program of the append kernel. Up to two small tiles serve a chunk (a one-token step's query group fits
+# one; a 6-token verify chunk of 4-head groups takes two, which read the keys twice, the second time likely from L2,
+# and still beat one large tile: H100, 8 x 32k, 26.4 against 31.2 us); longer chunks take the large tile.
 SMALL_ROW_TILE, LARGE_ROW_TILE = 16, 64
 TOKENS_PER_PROGRAM = 16
 # Arguments that change between calls of one layer, which Triton must not specialise on (see the module docstring):
@@ -102,8 +141,8 @@ def s2_decode_fwd_kernel(
     num_kv_heads, seqlen_q, num_ring, num_slots, num_splits, qk_scale,
     q_heads_per_kv, q_heads_per_pattern, num_pattern_heads, num_dense_heads, head_step, head_offset,
     LOCAL_BLOCKS: tl.constexpr, RING_BLOCKS: tl.constexpr, VERT_STRIDE: tl.constexpr,
-    TABLE_WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KEY_GROUPS: tl.constexpr, TABLE_WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(num_splits, num_row_tiles, B * Hkv)``. The pattern's sizes are compile-time constants: the slot map
     and the mask divide by them for every key of every tile, and a constant (a power of two in practice) turns
@@ -123,8 +162,7 @@ def s2_decode_fwd_kernel(
     q_block = tl.maximum(q_pos, 0) // BLOCK_SIZE
     pattern_head = q_head // q_heads_per_pattern
     dense_row = pattern_head >= num_pattern_heads - num_dense_heads
-    # Key block j is vertical for this row when (j + shift) % VERT_STRIDE == 0, i.e. j % VERT_STRIDE == residue:
-    # one remainder per key in the loop instead of one per (row, key) pair.
+    # key block j is vertical for this row when (j + shift) % VERT_STRIDE == 0, i.e. j % VERT_STRIDE == residue
     vertical_residue = (VERT_STRIDE - (pattern_head * head_step + head_offset) % VERT_STRIDE) % VERT_STRIDE
 
     d = tl.arange(0, BLOCK_D)
@@ -140,11 +178,11 @@ def s2_decode_fwd_kernel(
     residue_row = tl.load(residues + table_row, mask=in_table, other=0)
     rank_row = tl.load(ranks + table_row, mask=in_table, other=-1)
     upto_row = tl.load(vertical_upto + table_row, mask=in_table, other=0)
+    shift = table_column.to(tl.int64)
+    vertical_bits = tl.sum(tl.where(rank_row >= 0, tl.full([TABLE_WIDTH], 1, tl.int64) << shift, 0), 0)
+    packed_residues = tl.sum(residue_row.to(tl.int64) << (shift * 4), 0)  # (used up to 16 residues)
     num_vertical = tl.load(counts + kv_head)
 
-    m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # The slots this row fills: the ring, then its vertical blocks up to ``last`` (a static cache allocates more;
     # the rest stays unread). Splits share them in whole key tiles.
     num_full_strides = last // VERT_STRIDE
@@ -154,28 +192,60 @@ def s2_decode_fwd_kernel(
     tiles_per_split = tl.cdiv(tl.cdiv(used, BLOCK_N), num_splits)
     first = split * tiles_per_split * BLOCK_N
     end = tl.minimum(used, first + tiles_per_split * BLOCK_N)
-    for start in range(first, end, BLOCK_N):
-        key_rows = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of the cache
-        block = _slot_blocks(key_rows // BLOCK_SIZE, last, residue_row, rank_row, num_vertical, num_ring,
-                             RING_BLOCKS, VERT_STRIDE)
-        k_pos = block * BLOCK_SIZE + key_rows % BLOCK_SIZE
-        key_ok = (key_rows < end) & (block >= 0) & (k_pos < seq_len)
-        k_ptrs = k_head + key_rows.to(tl.int64)[:, None] * stride_kt + d[None, :] * stride_kd
-        k_tile = tl.load(k_ptrs, mask=row_mask(key_ok, HEAD_DIM, BLOCK_D), other=0.0)  # [BLOCK_N, BLOCK_D]
-        s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        kept = (q_block[:, None] - block[None, :] < LOCAL_BLOCKS) | dense_row[:, None]
-        kept = kept | ((block % VERT_STRIDE)[None, :] == vertical_residue[:, None])
-        visible = kept & key_ok[None, :] & row_real[:, None] & (k_pos[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that saw nothing yet: avoid inf - inf
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_ptrs = v_head + key_rows.to(tl.int64)[:, None] * stride_vt + d[None, :] * stride_vd
-        v_tile = tl.load(v_ptrs, mask=row_mask(key_ok, HEAD_DIM, BLOCK_D), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=DOT_PRECISION)
-        m_i = m_new
+    if KEY_GROUPS == 1:
+        # A chunk's large row tile: the warps share every key tile (S [BLOCK_M, BLOCK_N]).
+        m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for start in range(first, end, BLOCK_N):
+            key_rows = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of the cache
+            block = _slot_blocks(key_rows // BLOCK_SIZE, last, residue_row, rank_row, vertical_bits, packed_residues,
+                                 num_vertical, num_ring, RING_BLOCKS, VERT_STRIDE, TABLE_WIDTH)
+            k_pos = block * BLOCK_SIZE + key_rows % BLOCK_SIZE
+            key_ok = (key_rows < end) & (block >= 0) & (k_pos < seq_len)
+            kv_mask = row_mask(key_ok, HEAD_DIM, BLOCK_D)
+            k_tile = tl.load(k_head + key_rows.to(tl.int64)[:, None] * stride_kt + d[None, :] * stride_kd,
+                             mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+            visible = _visible(q_block[:, None], q_pos[:, None], dense_row[:, None], vertical_residue[:, None],
+                               row_real[:, None], block[None, :], k_pos[None, :], key_ok[None, :], LOCAL_BLOCKS,
+                               VERT_STRIDE)
+            v_ptrs = v_head + key_rows.to(tl.int64)[:, None] * stride_vt + d[None, :] * stride_vd
+            m_i, l_i, acc = _online_softmax_step(s, visible, v_ptrs, kv_mask, m_i, l_i, acc, 1, DOT_PRECISION)
+    else:
+        # A one-token step's small row tile: each of the KEY_GROUPS warps takes its own share of every key tile, with
+        # its own softmax state, so no reduction crosses warps inside the loop (S [KEY_GROUPS, BLOCK_M, KEYS]).
+        KEYS_PER_GROUP: tl.constexpr = BLOCK_N // KEY_GROUPS
+        group = tl.arange(0, KEY_GROUPS)[:, None]  # [KEY_GROUPS, 1]
+        q_groups = tl.broadcast_to(q_tile[None, :, :], [KEY_GROUPS, BLOCK_M, BLOCK_D])
+        m_groups = tl.full([KEY_GROUPS, BLOCK_M], -float("inf"), dtype=tl.float32)
+        l_groups = tl.zeros([KEY_GROUPS, BLOCK_M], dtype=tl.float32)
+        acc_groups = tl.zeros([KEY_GROUPS, BLOCK_M, BLOCK_D], dtype=tl.float32)
+        d_mask = (d < HEAD_DIM)[None, None, :]
+        for start in range(first, end, BLOCK_N):
+            block = _slot_blocks((start + tl.arange(0, BLOCK_N)) // BLOCK_SIZE, last, residue_row, rank_row,
+                                 vertical_bits, packed_residues, num_vertical, num_ring, RING_BLOCKS, VERT_STRIDE,
+                                 TABLE_WIDTH)
+            block = tl.reshape(block, [KEY_GROUPS, KEYS_PER_GROUP])
+            key_rows = start + group * KEYS_PER_GROUP + tl.arange(0, KEYS_PER_GROUP)[None, :]  # [KEY_GROUPS, KEYS]
+            k_pos = block * BLOCK_SIZE + key_rows % BLOCK_SIZE
+            key_ok = (key_rows < end) & (block >= 0) & (k_pos < seq_len)
+            kv_rows = key_rows.to(tl.int64)[:, :, None]
+            kv_mask = key_ok[:, :, None] & d_mask
+            k_tile = tl.load(k_head + kv_rows * stride_kt + d[None, None, :] * stride_kd, mask=kv_mask,
+                             other=0.0)  # [KEY_GROUPS, KEYS, BLOCK_D]
+            s = tl.dot(q_groups, tl.trans(k_tile, (0, 2, 1)), input_precision=DOT_PRECISION) * qk_scale
+            visible = _visible(q_block[None, :, None], q_pos[None, :, None], dense_row[None, :, None],
+                               vertical_residue[None, :, None], row_real[None, :, None], block[:, None, :],
+                               k_pos[:, None, :], key_ok[:, None, :], LOCAL_BLOCKS, VERT_STRIDE)
+            v_ptrs = v_head + kv_rows * stride_vt + d[None, None, :] * stride_vd
+            m_groups, l_groups, acc_groups = _online_softmax_step(s, visible, v_ptrs, kv_mask, m_groups, l_groups,
+                                                                  acc_groups, 2, DOT_PRECISION)
+        # the key groups' states merged once: [KEY_GROUPS, ...] -> [BLOCK_M, ...]
+        m_i = tl.max(m_groups, 0)
+        weight = tl.math.exp2(m_groups - tl.where(m_i == -float("inf"), 0.0, m_i)[None, :])  # 0: group saw nothing
+        l_i = tl.sum(l_groups * weight, 0)
+        acc = tl.sum(acc_groups * weight[:, :, None], 0)
 
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -222,11 +292,12 @@ def _num_sms(device_index: int) -> int:
 
 
 def _choose_num_splits(programs: int, num_tiles: int, device: torch.device) -> int:
-    """Up to about two programs per multiprocessor, each split keeping >= 4 key tiles of work. Rounding down
-    matters: one split too many leaves a short last split and costs more than a slightly smaller grid (measured)."""
+    """Up to one program per multiprocessor, each split keeping >= 4 key tiles of work. One program an SM, not two:
+    with a warp's own share of every tile, a program streams fast enough alone, and a second one only adds splits to
+    merge (H100, batch 8, 32k: 25.0 us at 2 splits, 27.3 at 4; batch 32 needs no split; bench/NOTES.md)."""
     if device.type != "cuda":
         return 1
-    target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    target = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     return max(1, min(target // programs, num_tiles // 4))
 
 
@@ -257,9 +328,15 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
     block_d = max(16, triton.next_power_of_2(d))
     block_n = max(bs, tiles.block_n)
     rows = tq * layout.q_heads_per_kv
-    block_m = SMALL_ROW_TILE if rows <= SMALL_ROW_TILE else LARGE_ROW_TILE
+    block_m = SMALL_ROW_TILE if rows <= 2 * SMALL_ROW_TILE else LARGE_ROW_TILE
     num_row_tiles = triton.cdiv(rows, block_m)
     num_tiles = triton.cdiv(num_slots, block_n // bs)  # of the allocated slots; the kernel reads the used ones
+    # A warp's own keys in the small tile; the large tile would hold KEY_GROUPS accumulators of [64, D] (spilling),
+    # so its warps share each key (one group).
+    key_groups = tiles.num_warps if block_m == SMALL_ROW_TILE else 1
+    if key_groups > 1 and block_n // key_groups < 16:
+        raise ValueError(f"tiles.block_n // tiles.num_warps must be >= 16 (the warps' key shares feed tl.dot), got "
+                         f"{block_n} // {key_groups}")
     if num_splits is None:
         num_splits = _choose_num_splits(b * hkv * num_row_tiles, num_tiles, q.device)
     num_splits = max(1, min(num_splits, num_tiles))
@@ -287,7 +364,8 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
         hkv, tq, num_ring, num_slots, num_splits, scale * LOG2E,
         layout.q_heads_per_kv, layout.q_heads_per_pattern, num_heads, pattern.num_dense_heads,
         pattern.head_step(num_heads), pattern.head_sliding_offset,
-        pattern.local_blocks, layout.ring_blocks, pattern.vert_stride, triton.next_power_of_2(pattern.vert_stride),
+        pattern.local_blocks, layout.ring_blocks, pattern.vert_stride, key_groups,
+        triton.next_power_of_2(pattern.vert_stride),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,

@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from s2_models.kernels import decode_triton
 from s2_models.kernels.decode import CompactLayout, ring_blocks_for, s2_cache_append, s2_decode_attention, slot_blocks
 from s2_models.kernels.naive import naive_s2_attention
 from s2_models.kernels.pattern import S2Pattern
@@ -72,13 +73,13 @@ def test_torch_path_matches_reference(pattern, tq):
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
 
 
-# vert_stride 20: a table row wider than 16 residues (the kernel pads it to 32)
+# vert_stride 20: more residues than the kernel packs into integers (16), so its tables are looked up by tl.gather
 WIDE_STRIDE = S2Pattern(block_size=16, local_blocks=2, vert_stride=20)
 
 
 @pytest.mark.parametrize("pattern", [*PATTERNS[::3], WIDE_STRIDE], ids=repr)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tq,num_splits", [(1, 1), (1, 3), (9, 2)])
+@pytest.mark.parametrize("tq,num_splits", [(1, 1), (1, 3), (9, 2), (20, 2)])  # rows: 2, 18 (small tiles), 40
 def test_triton_matches_torch_path(pattern, dtype, tq, num_splits):
     lens = [random.randint(tq, 300), random.randint(1, 300)]
     q, kc, vc, seq_lens, layout, num_ring, ref = case(pattern, dtype, tq, lens)
@@ -185,7 +186,7 @@ def test_split_merge_across_programs_on_gpu(num_splits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tq", [1, 64])
+@pytest.mark.parametrize("tq", [1, 6, 64])  # 4 and 24 rows: small row tiles (key groups a warp); 256: large
 def test_triton_on_gpu(dtype, tq):
     pattern = S2Pattern(block_size=64, local_blocks=4, vert_stride=8)
     b, hkv, group, d, t = 3, 4, 4, 128, 5000
@@ -216,6 +217,9 @@ def test_bad_input():
         s2_decode_attention(q, kc, vc, seq_lens, layout, num_ring_slots=num_ring, split_counters=torch.zeros(4))
     with pytest.raises(ValueError, match="ring_blocks"):
         CompactLayout(pattern, 4, 2, ring_blocks=1)
+    with pytest.raises(ValueError, match=r"tiles.block_n // tiles.num_warps must be >= 16"):
+        decode_triton.decode_attention_triton(q, kc, vc, seq_lens, layout, num_ring, 1.0, None,
+                                              tiles=decode_triton.DecodeTiles(32, 4, 1))
 
 
 @pytest.mark.parametrize("tq", [1, 5, 70])
