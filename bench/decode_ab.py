@@ -5,7 +5,9 @@ Each version's ``decode_attention_triton`` runs over full compact caches of ``be
 and each split count of ``--splits`` (``auto``: the version's own heuristic). Every timing is a CUDA graph over
 ``bench_generation.full_caches`` (distinct caches of >= 400 MB in all, so that the L2 cache serves none of them),
 the arms alternated ``--rounds`` times in one process; bandwidth counts the K and V bytes read, as a fraction
-of this run's copy ceiling. Each arm's output is compared with the first version's at its first launch shape (a
+of this run's copy ceiling. A shape ``BxT+S`` gives each row ``S`` slots it does not fill (a static cache's rows,
+with other strides); ``--query-tokens`` times chunks (speculative decoding's verify chunks) instead of one-token
+steps. Each arm's output is compared with the first version's at its first launch shape (a
 timing-only variant shows up as a large difference). The other versions are copies of ``decode_triton.py``, loaded as
 modules of ``s2_models.kernels`` so that their relative imports resolve::
 

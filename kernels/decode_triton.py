@@ -100,6 +100,7 @@ def _online_softmax_step(s, visible, v_ptrs, v_mask, m_i, l_i, acc, KEY_AXIS: tl
 # one; a 6-token verify chunk of 4-head groups takes two, which read the keys twice, the second time likely from L2,
 # and still beat one large tile: H100, 8 x 32k, 26.4 against 31.2 us); longer chunks take the large tile.
 SMALL_ROW_TILE, LARGE_ROW_TILE = 16, 64
+MAX_SPLITS = 8  # see _choose_num_splits
 TOKENS_PER_PROGRAM = 16
 # Arguments that change between calls of one layer, which Triton must not specialise on (see the module docstring):
 # the chunk length, the slot and split counts, and the strides of the [splits, B, Hq, Tq] log-sum-exp buffer.
@@ -292,13 +293,15 @@ def _num_sms(device_index: int) -> int:
 
 
 def _choose_num_splits(programs: int, num_tiles: int, device: torch.device) -> int:
-    """Up to one program per multiprocessor, each split keeping >= 4 key tiles of work. One program an SM, not two:
-    with a warp's own share of every tile, a program streams fast enough alone, and a second one only adds splits to
-    merge (H100, batch 8, 32k: 25.0 us at 2 splits, 27.3 at 4; batch 32 needs no split; bench/NOTES.md)."""
+    """Up to one program per multiprocessor and 8 splits, each split keeping >= 4 key tiles of work. One program an
+    SM, not two: with a warp's own share of every tile, a program streams fast enough alone, and a second one only
+    adds splits to merge (H100, batch 8, 32k: 25.0 us at 2 splits, 27.3 at 4; batch 32 needs no split). At most 8:
+    the last split merges the others one by one (batch 1, 128k: 17.3 us at 8 splits, 18.0-18.4 at 16;
+    bench/NOTES.md)."""
     if device.type != "cuda":
         return 1
     target = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return max(1, min(target // programs, num_tiles // 4))
+    return max(1, min(target // programs, num_tiles // 4, MAX_SPLITS))
 
 
 @dataclass(frozen=True)

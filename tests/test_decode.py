@@ -202,6 +202,17 @@ def test_triton_on_gpu(dtype, tq):
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
+def test_split_count_aims_at_one_program_per_sm(monkeypatch):
+    """The H100 launches the split rule was measured at (132 SMs; programs = batch x KV heads; 128-key tiles)."""
+    monkeypatch.setattr(decode_triton, "_num_sms", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert decode_triton._choose_num_splits(64, 24, cuda) == 2  # batch 8, 32k: one program an SM
+    assert decode_triton._choose_num_splits(256, 24, cuda) == 1  # batch 32 fills the GPU unsplit
+    assert decode_triton._choose_num_splits(8, 24, cuda) == 6  # batch 1, 32k: >= 4 tiles a split
+    assert decode_triton._choose_num_splits(8, 72, cuda) == 8  # batch 1, 128k: at most 8 splits to merge
+    assert decode_triton._choose_num_splits(8, 72, torch.device("cpu")) == 1
+
+
 def test_bad_input():
     pattern = PATTERNS[0]
     q, kc, vc, seq_lens, layout, num_ring, _ = case(pattern, torch.float32, 1, [50, 40])
