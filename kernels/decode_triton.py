@@ -214,8 +214,9 @@ def s2_decode_fwd_kernel(
             v_ptrs = v_head + key_rows.to(tl.int64)[:, None] * stride_vt + d[None, :] * stride_vd
             m_i, l_i, acc = _online_softmax_step(s, visible, v_ptrs, kv_mask, m_i, l_i, acc, 1, DOT_PRECISION)
     else:
-        # A one-token step's small row tile: each of the KEY_GROUPS warps takes its own share of every key tile, with
-        # its own softmax state, so no reduction crosses warps inside the loop (S [KEY_GROUPS, BLOCK_M, KEYS]).
+        # The small row tile (one-token steps, chunks of up to 32 query rows): each of the KEY_GROUPS warps takes its
+        # own share of every key tile, with its own softmax state, so no reduction crosses warps inside the loop
+        # (S [KEY_GROUPS, BLOCK_M, KEYS]).
         KEYS_PER_GROUP: tl.constexpr = BLOCK_N // KEY_GROUPS
         group = tl.arange(0, KEY_GROUPS)[:, None]  # [KEY_GROUPS, 1]
         q_groups = tl.broadcast_to(q_tile[None, :, :], [KEY_GROUPS, BLOCK_M, BLOCK_D])
