@@ -1,11 +1,11 @@
 """Where one decode launch's time goes: a per-program timeline of the decode kernel, and reads of the same bytes (GPU).
 
 ``kernels/decode_triton.py``'s kernel, instrumented (a copy, patched below): each program stores ``%globaltimer`` at
-its start, once its split's key range is known (the prologue's loads have arrived), after its key loop, after its
-split-counter atomic and, for the program that merges, after the merge. Each stamp is predicated on the value it
-follows, so it cannot be taken before that value exists. Launches run eagerly over the full compact caches of
-``bench_generation.py``'s 1B hybrid (``bench_generation.full_caches``); percentiles per phase, in microseconds from the
-launch's first program start.
+its start, once its split's key range is known (the prologue's loads have arrived), after its key loop (and the
+merge of its warps' states), after its split-counter atomic and, for the program that merges, after the merge. Each
+stamp is predicated on the value it follows, so it cannot be taken before that value exists. Launches run eagerly
+over the full compact caches of ``bench_generation.py``'s 1B hybrid (``bench_generation.full_caches``); percentiles
+per phase, in microseconds from the launch's first program start.
 
 Beside it, reads of 50 MB in one launch by a trivial kernel: each program summing one contiguous chunk (as the
 decode kernel's splits stream theirs), and the grid-stride read of ``bench_generation.read_ceiling``::
