@@ -336,9 +336,10 @@ def copy_bandwidth(gib: int = 4) -> float:
     return 2 * (gib << 30) / (milliseconds / 1e3)
 
 
-# the kernel needs >= 16 keys a warp (each warp takes its own share of a tile), which rules out 64 keys x 8 warps
+# the one-token tile needs >= 16 keys in each of its two key groups a warp, which rules out 64 keys x 4 or 8 warps
+# and 128 keys x 8 warps
 DECODE_TILES = [DecodeTiles(n, warps, stages) for n in (64, 128, 256) for warps in (4, 8) for stages in (1, 2, 3)
-                if n // warps >= 16]
+                if n // (2 * warps) >= 16]
 DECODE_SPLITS = (None, 1, 2, 4, 8, 16)  # None: the launcher's heuristic
 
 

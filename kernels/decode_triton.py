@@ -18,14 +18,21 @@ Entry point ``decode_attention_triton(q, k_cache, v_cache, seq_lens, layout, num
   one tile ahead, single-buffered, at most shapes). Up to 16 residues the rows are packed into the bits of two
   integers and looked up with shifts; wider rows are looked up with ``tl.gather``, which Triton lowers through
   shared memory, with barriers in every tile.
-* Each warp takes its own share of every key tile and keeps its own softmax state, merged once after the loop: no
-  reduction crosses warps inside it. Together with the bit tables, that leaves 2 barriers in a tile instead of 16,
-  a shorter chain per tile for the launches that are too small to fill the GPU's memory system (bench/NOTES.md).
-* A few compiled variants serve every chunk length and cache size: tile heights do not follow ``Tq`` (one or two
-  tiles of 16 query rows, or 64-row tiles once a chunk has more than 32 rows), and the arguments that change from
-  call to call (``Tq``, slot and split counts, strides that depend on ``Tq``) are not specialised on. Triton would
-  otherwise compile a new variant whenever one of them became 1 or a multiple of 16 or a tile height changed: a JIT
-  compile (~1 s on a GPU) in the middle of speculative decoding, whose verify chunks change length every forward.
+* One-token steps (and chunks of up to 8 query rows) run an 8-row tile with the products turned around: keys on
+  their M axis (S^T = K Q^T, O^T = V^T P^T) and the query rows on N, so that a 4-head group does not compute 12
+  padding rows of every 16 (``tl.dot``'s M is 16, its N may be 8). Each warp takes two groups of keys of every key
+  tile (16 keys each at the default 128-key tile), each group with its own softmax state, merged once after the
+  loop: no reduction crosses warps inside it, and each warp (one a scheduler at the default 4 warps) runs two
+  independent chains, so that one's latencies overlap the other's. With the bit tables a tile has 2 barriers.
+  (H100: 3-8% faster than one group a warp in the usual orientation at every launch measured; bench/NOTES.md.)
+* Longer chunks keep the products' usual orientation: up to 32 rows in 16-row tiles whose warps each take their
+  own keys (one group a warp), beyond that 64-row tiles whose warps share every key (as many accumulators of
+  [64, D] as groups would spill).
+* A few compiled variants serve every chunk length and cache size: tile heights do not follow ``Tq`` (8, 16 or 64
+  query rows), and the arguments that change from call to call (``Tq``, slot and split counts, strides that depend
+  on ``Tq``) are not specialised on. Triton would otherwise compile a new variant whenever one of them became 1 or a
+  multiple of 16 or a tile height changed: a JIT compile (~1 s on a GPU) in the middle of speculative decoding,
+  whose verify chunks change length every forward.
 
 Numerics: online softmax in base 2, fp32 accumulation, IEEE fp32 dots for fp32 inputs.
 """
@@ -95,11 +102,21 @@ def _online_softmax_step(s, visible, v_ptrs, v_mask, m_i, l_i, acc, KEY_AXIS: tl
     return m_new, l_i, acc
 
 
+@triton.jit
+def _merge_key_groups(m_groups, l_groups, acc_groups):
+    """The key groups' softmax states merged once, after the key loop: [KEY_GROUPS, BLOCK_M(, BLOCK_D)] ->
+    [BLOCK_M(, BLOCK_D)]."""
+    m_i = tl.max(m_groups, 0)
+    weight = tl.math.exp2(m_groups - tl.where(m_i == -float("inf"), 0.0, m_i)[None, :])  # 0: the group saw nothing
+    return m_i, tl.sum(l_groups * weight, 0), tl.sum(acc_groups * weight[:, :, None], 0)
+
+
 # Tile heights independent of the chunk length (see the module docstring): query rows of a decode program, and new
-# tokens per program of the append kernel. Up to two small tiles serve a chunk (a one-token step's query group fits
-# one; a 6-token verify chunk of 4-head groups takes two, which read the keys twice, the second time likely from L2,
-# and still beat one large tile: H100, 8 x 32k, 26.4 against 31.2 us); longer chunks take the large tile.
-SMALL_ROW_TILE, LARGE_ROW_TILE = 16, 64
+# tokens per program of the append kernel. A one-token step's query group (up to 8 heads) fits the 8-row tile with
+# keys on the products' M axis; chunks of up to 32 rows take one or two 16-row tiles (a 6-token verify chunk of
+# 4-head groups reads the keys twice, the second time likely from L2, and still beats one large tile: H100, 8 x 32k,
+# 26.4 against 31.2 us; turned around, its 16-row tiles took 31-35 us); longer chunks take the large tile.
+KEYS_ON_M_ROWS, SMALL_ROW_TILE, LARGE_ROW_TILE = 8, 16, 64
 MAX_SPLITS = 8  # see _choose_num_splits
 TOKENS_PER_PROGRAM = 16
 # Arguments that change between calls of one layer, which Triton must not specialise on (see the module docstring):
@@ -141,7 +158,7 @@ def s2_decode_fwd_kernel(
     vertical_upto,  # int32 [Hkv, vert_stride]: how many of the KV head's residues are <= r
     num_kv_heads, seqlen_q, num_ring, num_slots, num_splits, qk_scale,
     q_heads_per_kv, q_heads_per_pattern, num_pattern_heads, num_dense_heads, head_step, head_offset,
-    LOCAL_BLOCKS: tl.constexpr, RING_BLOCKS: tl.constexpr, VERT_STRIDE: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr, RING_BLOCKS: tl.constexpr, VERT_STRIDE: tl.constexpr, KEYS_ON_M: tl.constexpr,
     KEY_GROUPS: tl.constexpr, TABLE_WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -213,9 +230,46 @@ def s2_decode_fwd_kernel(
                                VERT_STRIDE)
             v_ptrs = v_head + key_rows.to(tl.int64)[:, None] * stride_vt + d[None, :] * stride_vd
             m_i, l_i, acc = _online_softmax_step(s, visible, v_ptrs, kv_mask, m_i, l_i, acc, 1, DOT_PRECISION)
+    elif KEYS_ON_M:
+        # The 8-row tile (one-token steps): keys on the products' M axis, two key groups a warp, each with its own
+        # softmax state (S^T [KEY_GROUPS, KEYS, BLOCK_M]; see the module docstring).
+        KEYS_PER_GROUP: tl.constexpr = BLOCK_N // KEY_GROUPS
+        group = tl.arange(0, KEY_GROUPS)[:, None]  # [KEY_GROUPS, 1]
+        q_t = tl.broadcast_to(tl.trans(q_tile)[None, :, :], [KEY_GROUPS, BLOCK_D, BLOCK_M])
+        m_groups = tl.full([KEY_GROUPS, BLOCK_M], -float("inf"), dtype=tl.float32)
+        l_parts = tl.zeros([KEY_GROUPS, KEYS_PER_GROUP, BLOCK_M], dtype=tl.float32)  # per key slot, summed after
+        acc_t = tl.zeros([KEY_GROUPS, BLOCK_D, BLOCK_M], dtype=tl.float32)  # O^T
+        for start in range(first, end, BLOCK_N):
+            block = _slot_blocks((start + tl.arange(0, BLOCK_N)) // BLOCK_SIZE, last, residue_row, rank_row,
+                                 vertical_bits, packed_residues, num_vertical, num_ring, RING_BLOCKS, VERT_STRIDE,
+                                 TABLE_WIDTH)
+            block = tl.reshape(block, [KEY_GROUPS, KEYS_PER_GROUP])
+            key_rows = start + group * KEYS_PER_GROUP + tl.arange(0, KEYS_PER_GROUP)[None, :]  # [KEY_GROUPS, KEYS]
+            k_pos = block * BLOCK_SIZE + key_rows % BLOCK_SIZE
+            key_ok = (key_rows < end) & (block >= 0) & (k_pos < seq_len)
+            kv_rows = key_rows.to(tl.int64)
+            k_tile = tl.load(k_head + kv_rows[:, :, None] * stride_kt + d[None, None, :] * stride_kd,
+                             mask=key_ok[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0)  # [G, KEYS, D]
+            s = tl.dot(k_tile, q_t, input_precision=DOT_PRECISION) * qk_scale  # [KEY_GROUPS, KEYS, BLOCK_M]
+            visible = _visible(q_block[None, None, :], q_pos[None, None, :], dense_row[None, None, :],
+                               vertical_residue[None, None, :], row_real[None, None, :], block[:, :, None],
+                               k_pos[:, :, None], key_ok[:, :, None], LOCAL_BLOCKS, VERT_STRIDE)
+            s = tl.where(visible, s, -float("inf"))
+            m_new = tl.maximum(m_groups, tl.max(s, 1))
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that saw nothing yet: avoid inf - inf
+            alpha = tl.math.exp2(m_groups - m_safe)[:, None, :]
+            p = tl.math.exp2(s - m_safe[:, None, :])
+            l_parts = l_parts * alpha + p
+            # V^T [KEY_GROUPS, D, KEYS] loaded as such (a transpose of a loaded tile goes through registers, outside
+            # the pipeline) and after P, as in _online_softmax_step
+            v_t = tl.load(v_head + kv_rows[:, None, :] * stride_vt + d[None, :, None] * stride_vd,
+                          mask=key_ok[:, None, :] & (d < HEAD_DIM)[None, :, None], other=0.0)
+            acc_t = acc_t * alpha + tl.dot(v_t, p.to(v_t.dtype), input_precision=DOT_PRECISION)
+            m_groups = m_new
+        m_i, l_i, acc = _merge_key_groups(m_groups, tl.sum(l_parts, 1), tl.trans(acc_t, (0, 2, 1)))
     else:
-        # The small row tile (one-token steps, chunks of up to 32 query rows): each of the KEY_GROUPS warps takes its
-        # own share of every key tile, with its own softmax state, so no reduction crosses warps inside the loop
+        # Chunks of 9 to 32 query rows, in 16-row tiles: each of the KEY_GROUPS warps takes its own share of every
+        # key tile, with its own softmax state, so no reduction crosses warps inside the loop
         # (S [KEY_GROUPS, BLOCK_M, KEYS]).
         KEYS_PER_GROUP: tl.constexpr = BLOCK_N // KEY_GROUPS
         group = tl.arange(0, KEY_GROUPS)[:, None]  # [KEY_GROUPS, 1]
@@ -243,11 +297,7 @@ def s2_decode_fwd_kernel(
             v_ptrs = v_head + kv_rows * stride_vt + d[None, None, :] * stride_vd
             m_groups, l_groups, acc_groups = _online_softmax_step(s, visible, v_ptrs, kv_mask, m_groups, l_groups,
                                                                   acc_groups, 2, DOT_PRECISION)
-        # the key groups' states merged once: [KEY_GROUPS, ...] -> [BLOCK_M, ...]
-        m_i = tl.max(m_groups, 0)
-        weight = tl.math.exp2(m_groups - tl.where(m_i == -float("inf"), 0.0, m_i)[None, :])  # 0: group saw nothing
-        l_i = tl.sum(l_groups * weight, 0)
-        acc = tl.sum(acc_groups * weight[:, :, None], 0)
+        m_i, l_i, acc = _merge_key_groups(m_groups, l_groups, acc_groups)
 
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -332,15 +382,18 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
     block_d = max(16, triton.next_power_of_2(d))
     block_n = max(bs, tiles.block_n)
     rows = tq * layout.q_heads_per_kv
-    block_m = SMALL_ROW_TILE if rows <= 2 * SMALL_ROW_TILE else LARGE_ROW_TILE
+    if rows <= KEYS_ON_M_ROWS:
+        block_m = KEYS_ON_M_ROWS
+    else:
+        block_m = SMALL_ROW_TILE if rows <= 2 * SMALL_ROW_TILE else LARGE_ROW_TILE
     num_row_tiles = triton.cdiv(rows, block_m)
     num_tiles = triton.cdiv(num_slots, block_n // bs)  # of the allocated slots; the kernel reads the used ones
-    # A warp's own keys in the small tile; the large tile would hold KEY_GROUPS accumulators of [64, D] (spilling),
-    # so its warps share each key (one group).
-    key_groups = tiles.num_warps if block_m == SMALL_ROW_TILE else 1
+    # Key groups: two a warp in the 8-row tile, one a warp in the 16-row tile; the large tile would hold KEY_GROUPS
+    # accumulators of [64, D] (spilling), so its warps share each key (one group).
+    key_groups = {KEYS_ON_M_ROWS: 2 * tiles.num_warps, SMALL_ROW_TILE: tiles.num_warps}.get(block_m, 1)
     if key_groups > 1 and block_n // key_groups < 16:
-        raise ValueError(f"tiles.block_n // tiles.num_warps must be >= 16 (the warps' key shares feed tl.dot), got "
-                         f"{block_n} // {key_groups}")
+        raise ValueError(f"tiles.block_n must give each key group >= 16 keys (they feed tl.dot): {block_n} keys over "
+                         f"{key_groups} groups ({key_groups // tiles.num_warps} a warp of tiles.num_warps)")
     if num_splits is None:
         num_splits = _choose_num_splits(b * hkv * num_row_tiles, num_tiles, q.device)
     num_splits = max(1, min(num_splits, num_tiles))
@@ -368,7 +421,7 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
         hkv, tq, num_ring, num_slots, num_splits, scale * LOG2E,
         layout.q_heads_per_kv, layout.q_heads_per_pattern, num_heads, pattern.num_dense_heads,
         pattern.head_step(num_heads), pattern.head_sliding_offset,
-        pattern.local_blocks, layout.ring_blocks, pattern.vert_stride, key_groups,
+        pattern.local_blocks, layout.ring_blocks, pattern.vert_stride, block_m == KEYS_ON_M_ROWS, key_groups,
         triton.next_power_of_2(pattern.vert_stride),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

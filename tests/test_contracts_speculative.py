@@ -212,7 +212,7 @@ def test_verify_forwards_of_any_length_reuse_the_compiled_kernels(monkeypatch):
             model(tokens, attention_mask=mask, past_key_values=cache, use_cache=True)
             cache.crop(-rejected)
             seen += tq - rejected
-    assert len(specialisations["s2_decode_fwd_kernel"]) == 2  # the 16-row and the 64-row tile
+    assert len(specialisations["s2_decode_fwd_kernel"]) == 3  # the 8-, 16- and 64-row tiles
     assert len(specialisations["s2_cache_append_kernel"]) == 1
     assert not tuned and pattern._block_mask.cache_info().misses == masks_built
 

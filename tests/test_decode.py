@@ -79,7 +79,8 @@ WIDE_STRIDE = S2Pattern(block_size=16, local_blocks=2, vert_stride=20)
 
 @pytest.mark.parametrize("pattern", [*PATTERNS[::3], WIDE_STRIDE], ids=repr)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tq,num_splits", [(1, 1), (1, 3), (9, 2), (20, 2)])  # rows: 2, 18 (small tiles), 40
+# rows: 2 and 6 (the 8-row tile, keys on the products' M axis), 18 (two 16-row tiles), 40 (one 64-row tile)
+@pytest.mark.parametrize("tq,num_splits", [(1, 1), (1, 3), (3, 2), (9, 2), (20, 2)])
 def test_triton_matches_torch_path(pattern, dtype, tq, num_splits):
     lens = [random.randint(tq, 300), random.randint(1, 300)]
     q, kc, vc, seq_lens, layout, num_ring, ref = case(pattern, dtype, tq, lens)
@@ -186,7 +187,7 @@ def test_split_merge_across_programs_on_gpu(num_splits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tq", [1, 6, 64])  # 4 and 24 rows: small row tiles (key groups a warp); 256: large
+@pytest.mark.parametrize("tq", [1, 2, 6, 64])  # rows: 4, 8 (keys on M), 24 (two 16-row tiles), 256 (64-row tiles)
 def test_triton_on_gpu(dtype, tq):
     pattern = S2Pattern(block_size=64, local_blocks=4, vert_stride=8)
     b, hkv, group, d, t = 3, 4, 4, 128, 5000
@@ -228,9 +229,10 @@ def test_bad_input():
         s2_decode_attention(q, kc, vc, seq_lens, layout, num_ring_slots=num_ring, split_counters=torch.zeros(4))
     with pytest.raises(ValueError, match="ring_blocks"):
         CompactLayout(pattern, 4, 2, ring_blocks=1)
-    with pytest.raises(ValueError, match=r"tiles.block_n // tiles.num_warps must be >= 16"):
-        decode_triton.decode_attention_triton(q, kc, vc, seq_lens, layout, num_ring, 1.0, None,
-                                              tiles=decode_triton.DecodeTiles(32, 4, 1))
+    for block_n, num_warps in ((32, 4), (128, 8)):  # 4 and 8 keys in each of a warp's two key groups
+        with pytest.raises(ValueError, match=r"tiles.block_n must give each key group >= 16 keys"):
+            decode_triton.decode_attention_triton(q, kc, vc, seq_lens, layout, num_ring, 1.0, None,
+                                                  tiles=decode_triton.DecodeTiles(block_n, num_warps, 1))
 
 
 @pytest.mark.parametrize("tq", [1, 5, 70])
