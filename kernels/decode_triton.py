@@ -76,6 +76,22 @@ def _slot_blocks(slot, last, residue_row, rank_row, vertical_bits, packed_residu
 
 
 @triton.jit
+def _grouped_keys(start, end, seq_len, last, residue_row, rank_row, vertical_bits, packed_residues, num_vertical,
+                  num_ring, RING_BLOCKS: tl.constexpr, VERT_STRIDE: tl.constexpr, TABLE_WIDTH: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, KEY_GROUPS: tl.constexpr):
+    """The key tile at cache row ``start`` cut into ``KEY_GROUPS`` groups of consecutive keys, each
+    ``[KEY_GROUPS, BLOCK_N // KEY_GROUPS]``: their cache rows, blocks (``_slot_blocks``), positions, and whether each is
+    a real key of this split."""
+    KEYS: tl.constexpr = BLOCK_N // KEY_GROUPS
+    block = _slot_blocks((start + tl.arange(0, BLOCK_N)) // BLOCK_SIZE, last, residue_row, rank_row, vertical_bits,
+                         packed_residues, num_vertical, num_ring, RING_BLOCKS, VERT_STRIDE, TABLE_WIDTH)
+    block = tl.reshape(block, [KEY_GROUPS, KEYS])
+    key_rows = start + tl.arange(0, KEY_GROUPS)[:, None] * KEYS + tl.arange(0, KEYS)[None, :]
+    k_pos = block * BLOCK_SIZE + key_rows % BLOCK_SIZE
+    return key_rows, block, k_pos, (key_rows < end) & (block >= 0) & (k_pos < seq_len)
+
+
+@triton.jit
 def _visible(q_block, q_pos, dense_row, vertical_residue, row_real, block, k_pos, key_ok,
              LOCAL_BLOCKS: tl.constexpr, VERT_STRIDE: tl.constexpr):
     """Which (query row, key) pairs the pattern keeps and causality allows. The row-side arguments come expanded over
@@ -234,19 +250,14 @@ def s2_decode_fwd_kernel(
         # The 8-row tile (one-token steps): keys on the products' M axis, two key groups a warp, each with its own
         # softmax state (S^T [KEY_GROUPS, KEYS, BLOCK_M]; see the module docstring).
         KEYS_PER_GROUP: tl.constexpr = BLOCK_N // KEY_GROUPS
-        group = tl.arange(0, KEY_GROUPS)[:, None]  # [KEY_GROUPS, 1]
         q_t = tl.broadcast_to(tl.trans(q_tile)[None, :, :], [KEY_GROUPS, BLOCK_D, BLOCK_M])
         m_groups = tl.full([KEY_GROUPS, BLOCK_M], -float("inf"), dtype=tl.float32)
         l_parts = tl.zeros([KEY_GROUPS, KEYS_PER_GROUP, BLOCK_M], dtype=tl.float32)  # per key slot, summed after
         acc_t = tl.zeros([KEY_GROUPS, BLOCK_D, BLOCK_M], dtype=tl.float32)  # O^T
         for start in range(first, end, BLOCK_N):
-            block = _slot_blocks((start + tl.arange(0, BLOCK_N)) // BLOCK_SIZE, last, residue_row, rank_row,
-                                 vertical_bits, packed_residues, num_vertical, num_ring, RING_BLOCKS, VERT_STRIDE,
-                                 TABLE_WIDTH)
-            block = tl.reshape(block, [KEY_GROUPS, KEYS_PER_GROUP])
-            key_rows = start + group * KEYS_PER_GROUP + tl.arange(0, KEYS_PER_GROUP)[None, :]  # [KEY_GROUPS, KEYS]
-            k_pos = block * BLOCK_SIZE + key_rows % BLOCK_SIZE
-            key_ok = (key_rows < end) & (block >= 0) & (k_pos < seq_len)
+            key_rows, block, k_pos, key_ok = _grouped_keys(  # [KEY_GROUPS, KEYS] each
+                start, end, seq_len, last, residue_row, rank_row, vertical_bits, packed_residues, num_vertical,
+                num_ring, RING_BLOCKS, VERT_STRIDE, TABLE_WIDTH, BLOCK_SIZE, BLOCK_N, KEY_GROUPS)
             kv_rows = key_rows.to(tl.int64)
             k_tile = tl.load(k_head + kv_rows[:, :, None] * stride_kt + d[None, None, :] * stride_kd,
                              mask=key_ok[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0)  # [G, KEYS, D]
@@ -271,21 +282,15 @@ def s2_decode_fwd_kernel(
         # Chunks of 9 to 32 query rows, in 16-row tiles: each of the KEY_GROUPS warps takes its own share of every
         # key tile, with its own softmax state, so no reduction crosses warps inside the loop
         # (S [KEY_GROUPS, BLOCK_M, KEYS]).
-        KEYS_PER_GROUP: tl.constexpr = BLOCK_N // KEY_GROUPS
-        group = tl.arange(0, KEY_GROUPS)[:, None]  # [KEY_GROUPS, 1]
         q_groups = tl.broadcast_to(q_tile[None, :, :], [KEY_GROUPS, BLOCK_M, BLOCK_D])
         m_groups = tl.full([KEY_GROUPS, BLOCK_M], -float("inf"), dtype=tl.float32)
         l_groups = tl.zeros([KEY_GROUPS, BLOCK_M], dtype=tl.float32)
         acc_groups = tl.zeros([KEY_GROUPS, BLOCK_M, BLOCK_D], dtype=tl.float32)
         d_mask = (d < HEAD_DIM)[None, None, :]
         for start in range(first, end, BLOCK_N):
-            block = _slot_blocks((start + tl.arange(0, BLOCK_N)) // BLOCK_SIZE, last, residue_row, rank_row,
-                                 vertical_bits, packed_residues, num_vertical, num_ring, RING_BLOCKS, VERT_STRIDE,
-                                 TABLE_WIDTH)
-            block = tl.reshape(block, [KEY_GROUPS, KEYS_PER_GROUP])
-            key_rows = start + group * KEYS_PER_GROUP + tl.arange(0, KEYS_PER_GROUP)[None, :]  # [KEY_GROUPS, KEYS]
-            k_pos = block * BLOCK_SIZE + key_rows % BLOCK_SIZE
-            key_ok = (key_rows < end) & (block >= 0) & (k_pos < seq_len)
+            key_rows, block, k_pos, key_ok = _grouped_keys(  # [KEY_GROUPS, KEYS] each
+                start, end, seq_len, last, residue_row, rank_row, vertical_bits, packed_residues, num_vertical,
+                num_ring, RING_BLOCKS, VERT_STRIDE, TABLE_WIDTH, BLOCK_SIZE, BLOCK_N, KEY_GROUPS)
             kv_rows = key_rows.to(tl.int64)[:, :, None]
             kv_mask = key_ok[:, :, None] & d_mask
             k_tile = tl.load(k_head + kv_rows * stride_kt + d[None, None, :] * stride_kd, mask=kv_mask,
