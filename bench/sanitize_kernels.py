@@ -49,7 +49,7 @@ for dtype in (torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.flo
                             num_splits=3)  # the last split merges the others
         s2_decode_attention(q.detach()[:, :, :1], ahead, ahead, seq_lens, layout, num_ring_slots=layout.ring_blocks,
                             num_splits=3, split_counters=torch.zeros(4, dtype=torch.int32, device=DEVICE))
-        for chunk in (5, 9):  # 20 query rows: two small row tiles; 36: one large row tile
+        for chunk in (5, 9):  # 20 query rows: two 16-row tiles; 36: one 64-row tile (one-token steps: 8-row tile)
             chunk_layout = CompactLayout(pattern, 8, 2, ring_blocks_for(pattern, chunk))
             chunk_slots = chunk_layout.num_ring_slots(n) + chunk_layout.num_vertical_slots(n)
             chunk_cache = torch.randn(2, 2, chunk_slots * pattern.block_size, d, device=DEVICE, dtype=dtype)

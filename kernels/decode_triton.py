@@ -24,7 +24,7 @@ Entry point ``decode_attention_triton(q, k_cache, v_cache, seq_lens, layout, num
   tile (16 keys each at the default 128-key tile), each group with its own softmax state, merged once after the
   loop: no reduction crosses warps inside it, and each warp (one a scheduler at the default 4 warps) runs two
   independent chains, so that one's latencies overlap the other's. With the bit tables a tile has 2 barriers.
-  (H100: 3-8% faster than one group a warp in the usual orientation at every launch measured; bench/NOTES.md.)
+  (H100: 1.4-8% faster than one group a warp in the usual orientation at every launch measured; bench/NOTES.md.)
 * Longer chunks keep the products' usual orientation: up to 32 rows in 16-row tiles whose warps each take their
   own keys (one group a warp), beyond that 64-row tiles whose warps share every key (as many accumulators of
   [64, D] as groups would spill).
