@@ -366,7 +366,7 @@ def kernel_bandwidth(sparse, batch, length):
             def run_all(tiles=tiles, splits=splits, layers=layers):
                 for layer in layers:
                     decode_attention_triton(q, layer.keys, layer.values, layer.seq_lens, layer.layout, layer.num_ring,
-                                            scale, splits, tiles)
+                                            scale, splits, tiles, split_counters=layer.split_counters)
 
             try:
                 seconds = graph_seconds(run_all, calls=2)
@@ -471,7 +471,9 @@ def full_caches(layout, batch, length, spare_slots=0, query_tokens=1) -> dict:
     """Random full compact caches of one sparse layer, enough distinct ones (>= 400 MB in all) that a CUDA graph over
     them finds none in the L2 cache; a query and the row lengths. ``spare_slots``: slots a row holds beyond those its
     ``length`` fills (a static cache allocated for longer rows; they change the rows' strides, and are not read).
-    ``query_tokens``: new tokens a row (a verify chunk of speculative decoding, a prefill chunk)."""
+    ``query_tokens``: new tokens a row (a verify chunk of speculative decoding, a prefill chunk).
+    ``split_counters``: the zeroed counters the decode kernel leaves zeroed, one per (row, KV head, query row), kept
+    across launches as the model's caches keep theirs (without them every launch would also zero a fresh buffer)."""
     num_ring = layout.num_ring_slots(length)
     d = SHAPES["head_dim"]
     used_slots = num_ring + layout.num_vertical_slots(length)
@@ -481,20 +483,24 @@ def full_caches(layout, batch, length, spare_slots=0, query_tokens=1) -> dict:
     caches = [[torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)] for _ in range(count)]
     q = torch.randn(batch, layout.num_q_heads, query_tokens, d, device="cuda", dtype=torch.bfloat16)
     seq_lens = torch.full((batch,), length, device="cuda", dtype=torch.int32)
-    return {"caches": caches, "q": q, "seq_lens": seq_lens, "num_ring": num_ring, "bytes": nbytes}
+    split_counters = torch.zeros(batch * layout.num_kv_heads * query_tokens * layout.q_heads_per_kv,
+                                 device="cuda", dtype=torch.int32)
+    return {"caches": caches, "q": q, "seq_lens": seq_lens, "num_ring": num_ring, "bytes": nbytes,
+            "split_counters": split_counters}
 
 
 def launch_size_row(layout, batch, length, copy_bw):
     """One row of ``launch_sizes``: each timing a CUDA graph over ``full_caches``."""
     setup = full_caches(layout, batch, length)
-    caches, q, seq_lens, num_ring, nbytes = (setup[key] for key in ("caches", "q", "seq_lens", "num_ring", "bytes"))
+    caches, q, seq_lens, num_ring, nbytes, counters = (
+        setup[key] for key in ("caches", "q", "seq_lens", "num_ring", "bytes", "split_counters"))
     buffers, d = len(caches), SHAPES["head_dim"]
     flat = [torch.cat([k.flatten(), v.flatten()]) for k, v in caches]
     halves = [(x[: x.numel() // 2], torch.empty(x.numel() // 2, device="cuda", dtype=x.dtype)) for x in flat]
     total = torch.empty((), device="cuda", dtype=torch.float32)
     runs = {
-        "decode": lambda: [decode_attention_triton(q, k, v, seq_lens, layout, num_ring, d ** -0.5, None)
-                           for k, v in caches],
+        "decode": lambda: [decode_attention_triton(q, k, v, seq_lens, layout, num_ring, d ** -0.5, None,
+                                                   split_counters=counters) for k, v in caches],
         "torch_sum": lambda: [torch.sum(x, dim=(0,), dtype=torch.float32, out=total) for x in flat],
         "torch_copy": lambda: [dst.copy_(src) for src, dst in halves],
     }

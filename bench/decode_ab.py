@@ -54,7 +54,8 @@ def sparse_layout():
 
 def launch(module, setup, layout, tiles, splits, k, v):
     return module.decode_attention_triton(setup["q"], k, v, setup["seq_lens"], layout, setup["num_ring"],
-                                          SHAPES["head_dim"] ** -0.5, splits, tiles=module.DecodeTiles(*tiles))
+                                          SHAPES["head_dim"] ** -0.5, splits, tiles=module.DecodeTiles(*tiles),
+                                          split_counters=setup["split_counters"])
 
 
 def main():
@@ -67,6 +68,9 @@ def main():
                         help="comma-separated batch x context, each optionally +S: S spare slots a row (unread)")
     parser.add_argument("--query-tokens", type=int, default=1, help="new tokens a row (1: a decode step)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--counters", choices=("persistent", "fresh"), default="persistent",
+                        help="persistent: split counters kept across launches, as the model's caches keep them; "
+                             "fresh: each launch zeroes a new buffer (how this script timed before 2026-11-26)")
     args = parser.parse_args()
     versions = {"head": decode_triton} | {name: load_version(path) for name, path in
                                           (v.split("=", 1) for v in args.version)}
@@ -76,12 +80,12 @@ def main():
     layout = sparse_layout()
     copy_bw = copy_bandwidth()
     results = {"device": torch.cuda.get_device_name(), "copy_GBps": copy_bw / 1e9, "versions": list(versions),
-               "query_tokens": args.query_tokens, "shapes": {}}
+               "query_tokens": args.query_tokens, "counters": args.counters, "shapes": {}}
     for shape in args.shapes.split(","):
         size, _, spare = shape.partition("+")
         batch, length = (int(x) for x in size.split("x"))
         results["shapes"][shape] = row = measure_shape(versions, arms, layout, batch, length, int(spare or 0),
-                                                       args.query_tokens, args.rounds, copy_bw)
+                                                       args.query_tokens, args.rounds, copy_bw, args.counters)
         print(shape, f"{row['bytes'] / 1e6:.0f} MB", flush=True)
         for label, arm in row["arms"].items():
             print(f"  {label:36s} {arm['median_us']:7.2f} us  {arm['fraction_of_copy_bandwidth']:.3f}"
@@ -91,9 +95,12 @@ def main():
             json.dump(results, f, indent=1)
 
 
-def measure_shape(versions, arms, layout, batch, length, spare_slots, query_tokens, rounds, copy_bw) -> dict:
+def measure_shape(versions, arms, layout, batch, length, spare_slots, query_tokens, rounds, copy_bw,
+                  counters="persistent") -> dict:
     """Every arm at one batch x context: its output's difference from the first arm's, its times over ``rounds``."""
     setup = full_caches(layout, batch, length, spare_slots, query_tokens)
+    if counters == "fresh":
+        setup["split_counters"] = None
     k0, v0 = setup["caches"][0]
     _, tile0, split0 = arms[0]
     reference = launch(versions["head"], setup, layout, tile0, split0, k0, v0).float()

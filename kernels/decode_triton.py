@@ -28,6 +28,9 @@ Entry point ``decode_attention_triton(q, k_cache, v_cache, seq_lens, layout, num
 * Longer chunks keep the products' usual orientation: up to 32 rows in 16-row tiles whose warps each take their
   own keys (one group a warp), beyond that 64-row tiles whose warps share every key (as many accumulators of
   [64, D] as groups would spill).
+* On Hopper and later GPUs the kernel (and the cache append before it) launches with programmatic dependent launch
+  (``dependent_launch.py``): its programs load the layout's slot tables while the previous kernel finishes, then
+  wait for it before reading anything else.
 * A few compiled variants serve every chunk length and cache size: tile heights do not follow ``Tq`` (8, 16 or 64
   query rows), and the arguments that change from call to call (``Tq``, slot and split counts, strides that depend
   on ``Tq``) are not specialised on. Triton would otherwise compile a new variant whenever one of them became 1 or a
@@ -45,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .dependent_launch import programmatic_launch, wait_for_preceding_kernel
 from .layouts import CompactLayout
 from .triton_impl import row_mask
 from .triton_setup import tl, triton
@@ -177,6 +181,7 @@ def s2_decode_fwd_kernel(
     LOCAL_BLOCKS: tl.constexpr, RING_BLOCKS: tl.constexpr, VERT_STRIDE: tl.constexpr, KEYS_ON_M: tl.constexpr,
     KEY_GROUPS: tl.constexpr, TABLE_WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid ``(num_splits, num_row_tiles, B * Hkv)``. The pattern's sizes are compile-time constants: the slot map
     and the mask divide by them for every key of every tile, and a constant (a power of two in practice) turns
@@ -185,6 +190,16 @@ def s2_decode_fwd_kernel(
     row_tile = tl.program_id(1)
     batch = tl.program_id(2) // num_kv_heads
     kv_head = tl.program_id(2) % num_kv_heads
+    # The KV head's rows of the layout's tables, loaded once. They are copied to the GPU when the layout is first used,
+    # never written by a kernel, so they are read before the wait for the preceding kernel (dependent_launch.py).
+    table_column = tl.arange(0, TABLE_WIDTH)  # [TABLE_WIDTH]: VERT_STRIDE rounded up to a power of two
+    table_row = kv_head.to(tl.int64) * stride_rh + table_column
+    in_table = table_column < VERT_STRIDE
+    residue_row = tl.load(residues + table_row, mask=in_table, other=0)
+    rank_row = tl.load(ranks + table_row, mask=in_table, other=-1)
+    upto_row = tl.load(vertical_upto + table_row, mask=in_table, other=0)
+    num_vertical = tl.load(counts + kv_head)
+    wait_for_preceding_kernel(PDL)
     seq_len = tl.load(seq_lens + batch).to(tl.int32)
     last = (seq_len - 1) // BLOCK_SIZE
 
@@ -205,17 +220,9 @@ def s2_decode_fwd_kernel(
     q_tile = tl.load(q_ptrs, mask=row_mask(row_real, HEAD_DIM, BLOCK_D), other=0.0)  # [BLOCK_M, BLOCK_D]
     k_head = k_cache + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_head = v_cache + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
-    # The KV head's table rows, loaded once, beside the row length (nothing here waits for it)
-    table_column = tl.arange(0, TABLE_WIDTH)  # [TABLE_WIDTH]: VERT_STRIDE rounded up to a power of two
-    table_row = kv_head.to(tl.int64) * stride_rh + table_column
-    in_table = table_column < VERT_STRIDE
-    residue_row = tl.load(residues + table_row, mask=in_table, other=0)
-    rank_row = tl.load(ranks + table_row, mask=in_table, other=-1)
-    upto_row = tl.load(vertical_upto + table_row, mask=in_table, other=0)
     shift = table_column.to(tl.int64)
     vertical_bits = tl.sum(tl.where(rank_row >= 0, tl.full([TABLE_WIDTH], 1, tl.int64) << shift, 0), 0)
     packed_residues = tl.sum(residue_row.to(tl.int64) << (shift * 4), 0)  # (used up to 16 residues)
-    num_vertical = tl.load(counts + kv_head)
 
     # The slots this row fills: the ring, then its vertical blocks up to ``last`` (a static cache allocates more;
     # the rest stays unread). Splits share them in whole key tiles.
@@ -418,6 +425,7 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
         split_counters = torch.empty(0, dtype=torch.int32, device=q.device)
     num_heads = layout.num_pattern_heads
     grid = (num_splits, num_row_tiles, b * hkv)
+    pdl = programmatic_launch(q.device)
     s2_decode_fwd_kernel[grid](
         q, k_cache, v_cache, seq_lens, tables.residues, tables.rank, tables.counts, out, partial, lse, split_counters,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
@@ -429,8 +437,8 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
         pattern.local_blocks, layout.ring_blocks, pattern.vert_stride, block_m == KEYS_ON_M_ROWS, key_groups,
         triton.next_power_of_2(pattern.vert_stride),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl,
     )
     return out
 
@@ -453,8 +461,10 @@ def s2_cache_append_kernel(
     stride_rh,
     num_kv_heads, seqlen_q, num_ring, RING_BLOCKS: tl.constexpr, VERT_STRIDE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid ``(cdiv(Tq, BLOCK_T), B * Hkv)``: copy new K/V rows to their slots (``decode.block_slots``' rule)."""
+    wait_for_preceding_kernel(PDL)
     batch = tl.program_id(1) // num_kv_heads
     kv_head = tl.program_id(1) % num_kv_heads
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -482,9 +492,11 @@ def cache_append_triton(k_cache, v_cache, key, value, seq_lens, layout: CompactL
     b, hkv, tq, d = key.shape
     tables = layout.tables(key.device)
     block_d = max(16, triton.next_power_of_2(d))
+    pdl = programmatic_launch(key.device)
     s2_cache_append_kernel[(triton.cdiv(tq, TOKENS_PER_PROGRAM), b * hkv)](
         key, value, k_cache, v_cache, seq_lens, tables.rank, tables.counts,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(), tables.rank.stride(0),
         hkv, tq, num_ring, layout.ring_blocks, layout.pattern.vert_stride,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, BLOCK_T=TOKENS_PER_PROGRAM,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, BLOCK_T=TOKENS_PER_PROGRAM, PDL=pdl,
+        launch_pdl=pdl,
     )

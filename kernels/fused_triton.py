@@ -14,6 +14,9 @@ launch, and gate and up's with SwiGLU applied. Entry points (launchers, called b
     outs = linear_group_fwd(x, [w_q, w_k, w_v])       # x [M <= 16, K] @ each w.T, one launch (decode steps)
     h = linear_swiglu_fwd(x, w_gate, w_up)            # silu(x @ w_gate.T) * (x @ w_up.T)
 
+On Hopper and later GPUs the forward kernels launch with programmatic dependent launch (``dependent_launch.py``),
+waiting for the kernel before them at their start.
+
 Numerics follow transformers' functions: float32 math, the normalized activations rounded to the input's dtype
 before the weight multiplies them (as ``LlamaRMSNorm`` does), outputs in the dtype PyTorch's type promotion gives.
 Intermediate roundings of the PyTorch chain that are not part of the function (``silu`` rounded before the product,
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from .dependent_launch import programmatic_launch, wait_for_preceding_kernel
 from .triton_setup import tl, triton
 
 
@@ -35,7 +39,8 @@ def _row_warps(block: int) -> int:
 # ---------------------------------------------------------------------------------------------- RMSNorm
 @triton.jit
 def _rms_norm_fwd_kernel(x_ptr, residual_ptr, w_ptr, y_ptr, sum_ptr, rstd_ptr, N, stride_x, stride_r, stride_y,
-                         stride_s, eps, BLOCK_N: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
+                         stride_s, eps, BLOCK_N: tl.constexpr, ADD_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    wait_for_preceding_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     in_row = cols < N
@@ -103,8 +108,10 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
     block = triton.next_power_of_2(n)
     if m:
         r, s = (x, x) if summed is None else (residual, summed)  # stand-ins, unread without a residual
+        pdl = programmatic_launch(x.device)
         _rms_norm_fwd_kernel[(m,)](x, r, weight, y, s, rstd, n, x.stride(0), r.stride(0), y.stride(0), s.stride(0),
-                                   eps, BLOCK_N=block, ADD_RESIDUAL=summed is not None, num_warps=_row_warps(block),)
+                                   eps, BLOCK_N=block, ADD_RESIDUAL=summed is not None, PDL=pdl,
+                                   num_warps=_row_warps(block), launch_pdl=pdl)
     return y, rstd, summed
 
 
@@ -206,8 +213,10 @@ def _rotate_heads(x_ptr, out_ptr, c1, c2, s1, s2, b, t, H, stride_xb, stride_xh,
 def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, T, Hq, Hk,
                    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                    stride_qob, stride_qoh, stride_qot, stride_kob, stride_koh, stride_kot, stride_cb, stride_ct,
-                   HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr):
+                   HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr,
+                   PDL: tl.constexpr):
     # Program (token, 0) rotates the token's query heads, (token, 1) its key heads; cos/sin are read once each.
+    wait_for_preceding_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     b, t = token // T, token % T
     d = tl.arange(0, BLOCK_HALF)[None, :]
@@ -234,10 +243,11 @@ def rotary_apply(q, k, cos, sin, q_out, k_out, backward: bool) -> None:
     block_h = min(triton.next_power_of_2(max(hq, hk)), max(1, 4096 // block_half))
     cos_batch_stride = 0 if cos.shape[0] == 1 else cos.stride(0)  # position ids shared by the batch
     if b * t:
+        pdl = programmatic_launch(q.device)
         _rotary_kernel[(b * t, 2)](
             q, k, q_out, k_out, cos, sin, t, hq, hk, *_bht(q), *_bht(k), *_bht(q_out), *_bht(k_out),
             cos_batch_stride, cos.stride(1), HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, BACKWARD=backward,
-            num_warps=4,
+            PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
 
 
@@ -281,9 +291,10 @@ def _store_tile(o_ptr, acc, tile, M, N, stride_om, BLOCK_N: tl.constexpr):
 def _linear_group_kernel(x_ptr, w0, w1, w2, o0, o1, o2, M, N0, N1, N2, K, tiles0, tiles01, stride_xm, stride_w0,
                          stride_w1, stride_w2, stride_o0, stride_o1, stride_o2, NUM_WEIGHTS: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     # Programs [0, tiles0) compute o0 = x @ w0^T, [tiles0, tiles01) o1, the rest o2. Only NUM_WEIGHTS branches are
     # compiled: each holds its own pipeline buffers in shared memory.
+    wait_for_preceding_kernel(PDL)
     pid = tl.program_id(0)
     if pid < tiles0:
         acc = _skinny_tile(x_ptr, w0, pid, M, N0, K, stride_xm, stride_w0, BLOCK_N, BLOCK_K, STAGES, DOT_PRECISION)
@@ -301,7 +312,8 @@ def _linear_group_kernel(x_ptr, w0, w1, w2, o0, o1, o2, M, N0, N1, N2, K, tiles0
 @triton.jit
 def _linear_swiglu_kernel(x_ptr, w_gate, w_up, out_ptr, M, N, K, stride_xm, stride_wg, stride_wu, stride_om,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr):
+                          DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    wait_for_preceding_kernel(PDL)
     tile = tl.program_id(0)
     gate = _skinny_tile(x_ptr, w_gate, tile, M, N, K, stride_xm, stride_wg, BLOCK_N, BLOCK_K, STAGES, DOT_PRECISION)
     up = _skinny_tile(x_ptr, w_up, tile, M, N, K, stride_xm, stride_wu, BLOCK_N, BLOCK_K, STAGES, DOT_PRECISION)
@@ -332,10 +344,11 @@ def linear_group_fwd(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch
     slot_weights = [*weights, *[weights[0]] * (3 - len(weights))]
     slot_outs = [*outs, *[outs[0]] * (3 - len(outs))]
     if m:
+        pdl = programmatic_launch(x.device)
         _linear_group_kernel[(sum(tiles),)](
             x, *slot_weights, *slot_outs, m, *(w.shape[0] for w in slot_weights), k, tiles[0], sum(tiles[:2]),
             x.stride(0), *(w.stride(0) for w in slot_weights), *(o.stride(0) for o in slot_outs),
-            NUM_WEIGHTS=len(weights), DOT_PRECISION=_dot_precision(x), **tiles_config,
+            NUM_WEIGHTS=len(weights), DOT_PRECISION=_dot_precision(x), PDL=pdl, launch_pdl=pdl, **tiles_config,
         )
     return outs
 
@@ -347,8 +360,9 @@ def linear_swiglu_fwd(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor)
     out = x.new_empty((m, n))
     tiles_config = _skinny_tiles(x, buffered_loops=2, max_stages=3)
     if m:
+        pdl = programmatic_launch(x.device)
         _linear_swiglu_kernel[(triton.cdiv(n, tiles_config["BLOCK_N"]),)](
             x, w_gate, w_up, out, m, n, k, x.stride(0), w_gate.stride(0), w_up.stride(0), out.stride(0),
-            DOT_PRECISION=_dot_precision(x), **tiles_config,
+            DOT_PRECISION=_dot_precision(x), PDL=pdl, launch_pdl=pdl, **tiles_config,
         )
     return out

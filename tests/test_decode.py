@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from s2_models.kernels import decode_triton
+from s2_models.kernels import decode_triton, dependent_launch
 from s2_models.kernels.decode import CompactLayout, ring_blocks_for, s2_cache_append, s2_decode_attention, slot_blocks
 from s2_models.kernels.naive import naive_s2_attention
 from s2_models.kernels.pattern import S2Pattern
@@ -201,6 +201,67 @@ def test_triton_on_gpu(dtype, tq):
     expected = s2_decode_attention(*args, layout, num_ring_slots=num_ring, backend="torch")
     out = s2_decode_attention(*args, layout, num_ring_slots=num_ring, backend="triton")
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_dependent_launches_read_what_the_kernel_before_wrote(monkeypatch):
+    """With programmatic dependent launch (Hopper and later) the append and decode kernels may start before the
+    kernel ahead of them has finished, and must still read its writes. A CUDA graph of decode steps (row lengths
+    + 1, the new token's K/V appended, attention with 4 splits) whose new keys and values are large, so that a read
+    of the slot before the append shows: each step against the PyTorch path, and PDL off gives the same bits."""
+    pattern = S2Pattern(block_size=64, local_blocks=4, vert_stride=8)
+    b, hkv, group, d, t, steps = 8, 8, 4, 128, 4096, 8
+    layout = CompactLayout(pattern, hkv * group, hkv, ring_blocks_for(pattern, 1))
+    seq_lens0 = torch.full((b,), t)
+    k, v = (torch.randn(b, hkv, t, d, dtype=torch.float16) for _ in range(2))
+    room = layout.num_vertical_slots(t + steps) - layout.num_vertical_slots(t)
+    caches0 = [allocated_ahead(compact_cache(x, seq_lens0, layout)[0], layout, layout.num_ring_slots(t), room).cuda()
+               for x in (k, v)]
+    num_ring = layout.ring_blocks
+    q = torch.randn(steps, b, hkv * group, 1, d, dtype=torch.float16, device="cuda")
+    new_k, new_v = (8 * torch.randn(steps, b, hkv, 1, d, dtype=torch.float16, device="cuda") for _ in range(2))
+
+    def fresh_state():  # caches, row lengths, split counters
+        return *(c.clone() for c in caches0), seq_lens0.cuda(), torch.zeros(b * hkv, dtype=torch.int32, device="cuda")
+
+    def run(state, backend):
+        kc, vc, seq_lens, counters = state
+        outs = []
+        for i in range(steps):
+            seq_lens.add_(1)
+            s2_cache_append(kc, vc, new_k[i], new_v[i], seq_lens, layout, num_ring_slots=num_ring, backend=backend)
+            outs.append(s2_decode_attention(q[i], kc, vc, seq_lens, layout, num_ring_slots=num_ring, backend=backend,
+                                            num_splits=4, split_counters=counters))
+        return torch.stack(outs)
+
+    def graphed():
+        run(fresh_state(), "triton")  # compiles
+        state, graph = fresh_state(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # (capturing runs nothing: the state stays fresh)
+            outs = run(state, "triton")
+        graph.replay()
+        return outs.clone()
+
+    expected = run(fresh_state(), "torch")
+    with_pdl = graphed()
+    torch.testing.assert_close(with_pdl.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    monkeypatch.setenv("S2_ATTENTION_PDL", "0")
+    assert torch.equal(graphed(), with_pdl)
+
+
+def test_programmatic_launch_only_on_hopper_gpus(monkeypatch):
+    """PDL needs compute capability 9.0; never in the interpreter or on the CPU; S2_ATTENTION_PDL=0 turns it off."""
+    monkeypatch.setattr(dependent_launch, "_capable", lambda index: index == 0)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("S2_ATTENTION_PDL", raising=False)
+    assert dependent_launch.programmatic_launch(torch.device("cuda", 0))
+    assert not dependent_launch.programmatic_launch(torch.device("cuda", 1))
+    assert not dependent_launch.programmatic_launch(torch.device("cpu"))
+    monkeypatch.setenv("S2_ATTENTION_PDL", "0")
+    assert not dependent_launch.programmatic_launch(torch.device("cuda", 0))
+    monkeypatch.delenv("S2_ATTENTION_PDL")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not dependent_launch.programmatic_launch(torch.device("cuda", 0))
 
 
 def test_split_count_aims_at_one_program_per_sm(monkeypatch):

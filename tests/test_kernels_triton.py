@@ -63,12 +63,14 @@ def _assert_close(name, kernel, reference, low_precision, factor, floor):
     assert error <= factor * baseline + floor, message
 
 
-def check_against_reference(seed, shape, dtype, pattern=None, causal=True, memory="bhtd", **kwargs):
+def check_against_reference(seed, shape, dtype, pattern=None, causal=True, memory="bhtd", key_gain=None, **kwargs):
     """Compare the Triton backend with naive fp64 and naive in ``dtype`` (outputs, lse and all gradients).
 
     ``memory="bthd"``: q, k, v and the output gradient stored as the model's projections ``[B, T, H, D]`` and seen
-    as ``[B, H, T, D]`` through a transpose."""
+    as ``[B, H, T, D]`` through a transpose. ``key_gain`` (``[Tk]``) multiplies each key position's K."""
     q, k, v, grad_out, grad_lse = _make_inputs(seed, *shape, dtype)
+    if key_gain is not None:
+        k = (k.float() * key_gain.to(k.device)[:, None]).to(dtype)
     if memory == "bthd":
         q, k, v, grad_out = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, grad_out))
     reference_device = DEVICE if dtype != torch.float16 or DEVICE == "cuda" else "cpu"
@@ -113,6 +115,20 @@ SMALL_CASES = [
 def test_matches_reference(case, dtype):
     shape, fields, causal = SMALL_CASES[case]
     check_against_reference(100 + case, shape, dtype, S2Pattern(**fields), causal=causal)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)],
+    ids=["fp32", "fp16", "bf16"],
+)
+def test_running_maximum_moves_late(dtype):
+    """K's gain steps from 1 to 3 at position 100 and to 8 at 200: a late row's score maximum climbs by ~7 and then
+    ~19 log2 units as the forward walks its keys, so the online softmax must rescale what it has summed (fp16
+    probabilities overflow if the second rescale is skipped; a lazy rescale with a threshold of 8 passes)."""
+    gain = torch.ones(300, dtype=torch.float64)
+    gain[100:], gain[200:] = 3.0, 8.0
+    pattern = S2Pattern(block_size=16, local_blocks=3, vert_stride=3)
+    check_against_reference(16, (1, 4, 2, 300, 300, 32), dtype, pattern, key_gain=gain)
 
 
 @pytest.mark.parametrize(

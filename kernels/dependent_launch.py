@@ -1,0 +1,56 @@
+"""Programmatic dependent launch (PDL) for the decode step's kernels, on Hopper and later GPUs.
+
+A kernel launched with ``launch_pdl=True`` may start while the kernel before it in the stream is still running, as
+soon as every program of that kernel has called ``griddepcontrol.launch_dependents``. Its programs are placed on
+SMs as they free up and do their set-up, then wait in ``griddepcontrol.wait`` until the kernel before has finished
+and its writes are visible. Between two such kernels, the second one's launch and set-up overlap the first one's
+tail. The decode-step kernels (decode attention, cache append, RMSNorm, rotary, decode-sized projections) launch this
+way. On an H100 (bench/NOTES.md, twentieth session): a decode launch at batch 8, 32k in a CUDA graph of decode
+launches 22.84 -> 22.07 us; the ``generate`` step of the 1B hybrid at 32k 1.88 -> 1.86 ms (batch 8) and 1.39 ->
+1.34 ms (batch 1).
+
+The rule each kernel keeps (``wait_for_preceding_kernel``): nothing before the wait reads what a preceding kernel
+may write, or writes anything. Only tables that are copied to the GPU once, when a layout is first used, are read
+before it (the decode kernel's slot tables). Kernels launched the ordinary way (PyTorch's, cuBLAS's) wait for the
+whole of the kernel before them, as always.
+
+``S2_ATTENTION_PDL=0`` launches every kernel the ordinary way.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from .triton_setup import tl, triton
+
+try:  # Triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # older Triton: never launched with PDL (programmatic_launch is False)
+    gdc_launch_dependents = gdc_wait = None
+
+ENV_SWITCH = "S2_ATTENTION_PDL"
+
+
+@functools.cache
+def _capable(device_index: int) -> bool:
+    return gdc_wait is not None and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with PDL: a CUDA GPU of compute capability >= 9.0, not Triton's
+    interpreter, and ``S2_ATTENTION_PDL`` not ``0`` (read at every launch, so that a benchmark can switch it)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get(ENV_SWITCH) == "0":
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def wait_for_preceding_kernel(PDL: tl.constexpr):
+    """Wait until the kernel before this one has finished and its writes are visible, then let the next kernel
+    launch (it waits for this one in turn). A no-op unless launched with PDL."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
