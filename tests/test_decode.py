@@ -207,8 +207,9 @@ def test_triton_on_gpu(dtype, tq):
 def test_dependent_launches_read_what_the_kernel_before_wrote(monkeypatch):
     """With programmatic dependent launch (Hopper and later) the append and decode kernels may start before the
     kernel ahead of them has finished, and must still read its writes. A CUDA graph of decode steps (row lengths
-    + 1, the new token's K/V appended, attention with 4 splits) whose new keys and values are large, so that a read
-    of the slot before the append shows: each step against the PyTorch path, and PDL off gives the same bits."""
+    + 1, the new token's K/V appended, attention with 4 splits) whose new keys and values are large, each step
+    against the PyTorch path, and PDL off gives the same bits. A wait left out would be a race this test need not
+    catch (with it deleted from both kernels the test still passed on an H100): dependent_launch.py's rule keeps it."""
     pattern = S2Pattern(block_size=64, local_blocks=4, vert_stride=8)
     b, hkv, group, d, t, steps = 8, 8, 4, 128, 4096, 8
     layout = CompactLayout(pattern, hkv * group, hkv, ring_blocks_for(pattern, 1))
