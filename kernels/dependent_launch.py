@@ -24,19 +24,14 @@ import os
 
 import torch
 
-from .triton_setup import tl, triton
-
-try:  # Triton >= 3.4
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # older Triton: never launched with PDL (programmatic_launch is False)
-    gdc_launch_dependents = gdc_wait = None
+from .triton_setup import gdc_launch_dependents, gdc_wait, tl, triton
 
 ENV_SWITCH = "S2_ATTENTION_PDL"
 
 
 @functools.cache
 def _capable(device_index: int) -> bool:
-    return gdc_wait is not None and torch.cuda.get_device_capability(device_index)[0] >= 9
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def programmatic_launch(device: torch.device) -> bool:

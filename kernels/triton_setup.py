@@ -10,6 +10,7 @@ import os
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401 (dependent_launch.py)
     from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401 (re-exported to the kernel files)
 except ImportError as e:  # no Triton on this machine (macOS, Windows, some CPU images)
     raise ImportError(f"the S2 Triton kernels need Triton: {e}") from e
