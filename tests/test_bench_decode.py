@@ -34,8 +34,10 @@ def test_loaded_copy_runs_like_the_package(tmp_path):
     scale = decode_ab.SHAPES["head_dim"] ** -0.5  # the harness's launcher scales as for its model
     expected = decode_triton.decode_attention_triton(q, k, v, seq_lens, layout, num_ring, scale, 3,
                                                      tiles=decode_triton.DecodeTiles(64, 2, 1))
-    setup = {"q": q, "seq_lens": seq_lens, "num_ring": num_ring}
-    assert torch.equal(decode_ab.launch(module, setup, layout, (64, 2, 1), 3, k, v), expected)
+    for counters in (torch.zeros(2 * 2, dtype=torch.int32), None):  # kept across launches; decode_ab --counters fresh
+        setup = {"q": q, "seq_lens": seq_lens, "num_ring": num_ring, "split_counters": counters}
+        assert torch.equal(decode_ab.launch(module, setup, layout, (64, 2, 1), 3, k, v), expected)
+        assert counters is None or not counters.any()
 
 
 @pytest.mark.parametrize("programs, block", [(3, 2048), (7, 4096)])
