@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .dependent_launch import programmatic_launch, wait_for_preceding_kernel
+from .dependent_launch import launch_options, wait_for_preceding_kernel
 from .layouts import CompactLayout
 from .triton_impl import row_mask
 from .triton_setup import tl, triton
@@ -425,7 +425,6 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
         split_counters = torch.empty(0, dtype=torch.int32, device=q.device)
     num_heads = layout.num_pattern_heads
     grid = (num_splits, num_row_tiles, b * hkv)
-    pdl = programmatic_launch(q.device)
     s2_decode_fwd_kernel[grid](
         q, k_cache, v_cache, seq_lens, tables.residues, tables.rank, tables.counts, out, partial, lse, split_counters,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
@@ -437,8 +436,8 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
         pattern.local_blocks, layout.ring_blocks, pattern.vert_stride, block_m == KEYS_ON_M_ROWS, key_groups,
         triton.next_power_of_2(pattern.vert_stride),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(q.device),
     )
     return out
 
@@ -492,11 +491,10 @@ def cache_append_triton(k_cache, v_cache, key, value, seq_lens, layout: CompactL
     b, hkv, tq, d = key.shape
     tables = layout.tables(key.device)
     block_d = max(16, triton.next_power_of_2(d))
-    pdl = programmatic_launch(key.device)
     s2_cache_append_kernel[(triton.cdiv(tq, TOKENS_PER_PROGRAM), b * hkv)](
         key, value, k_cache, v_cache, seq_lens, tables.rank, tables.counts,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(), tables.rank.stride(0),
         hkv, tq, num_ring, layout.ring_blocks, layout.pattern.vert_stride,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, BLOCK_T=TOKENS_PER_PROGRAM, PDL=pdl,
-        launch_pdl=pdl,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, BLOCK_T=TOKENS_PER_PROGRAM,
+        **launch_options(key.device),
     )

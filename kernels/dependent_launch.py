@@ -36,10 +36,18 @@ def _capable(device_index: int) -> bool:
 
 def programmatic_launch(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with PDL: a CUDA GPU of compute capability >= 9.0, not Triton's
-    interpreter, and ``S2_ATTENTION_PDL`` not ``0`` (read at every launch, so that a benchmark can switch it)."""
+    interpreter, and ``S2_ATTENTION_PDL`` not ``0`` (read at every launch, so that a benchmark can switch it; a CUDA
+    graph replays its launches as they were captured)."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get(ENV_SWITCH) == "0":
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_options(device: torch.device) -> dict:
+    """Launch keywords of a kernel that takes ``PDL: tl.constexpr`` and calls ``wait_for_preceding_kernel``: the
+    kernel's switch and Triton's ``launch_pdl``, on or off together."""
+    pdl = programmatic_launch(device)
+    return {"PDL": pdl, "launch_pdl": pdl}
 
 
 @triton.jit

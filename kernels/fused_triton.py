@@ -14,8 +14,8 @@ launch, and gate and up's with SwiGLU applied. Entry points (launchers, called b
     outs = linear_group_fwd(x, [w_q, w_k, w_v])       # x [M <= 16, K] @ each w.T, one launch (decode steps)
     h = linear_swiglu_fwd(x, w_gate, w_up)            # silu(x @ w_gate.T) * (x @ w_up.T)
 
-On Hopper and later GPUs the forward kernels launch with programmatic dependent launch (``dependent_launch.py``),
-waiting for the kernel before them at their start.
+On Hopper and later GPUs the RMSNorm forward, rotary (both directions) and the decode-sized projections launch with
+programmatic dependent launch (``dependent_launch.py``), waiting for the kernel before them at their start.
 
 Numerics follow transformers' functions: float32 math, the normalized activations rounded to the input's dtype
 before the weight multiplies them (as ``LlamaRMSNorm`` does), outputs in the dtype PyTorch's type promotion gives.
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .dependent_launch import programmatic_launch, wait_for_preceding_kernel
+from .dependent_launch import launch_options, wait_for_preceding_kernel
 from .triton_setup import tl, triton
 
 
@@ -108,10 +108,9 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
     block = triton.next_power_of_2(n)
     if m:
         r, s = (x, x) if summed is None else (residual, summed)  # stand-ins, unread without a residual
-        pdl = programmatic_launch(x.device)
         _rms_norm_fwd_kernel[(m,)](x, r, weight, y, s, rstd, n, x.stride(0), r.stride(0), y.stride(0), s.stride(0),
-                                   eps, BLOCK_N=block, ADD_RESIDUAL=summed is not None, PDL=pdl,
-                                   num_warps=_row_warps(block), launch_pdl=pdl)
+                                   eps, BLOCK_N=block, ADD_RESIDUAL=summed is not None, num_warps=_row_warps(block),
+                                   **launch_options(x.device))
     return y, rstd, summed
 
 
@@ -243,11 +242,10 @@ def rotary_apply(q, k, cos, sin, q_out, k_out, backward: bool) -> None:
     block_h = min(triton.next_power_of_2(max(hq, hk)), max(1, 4096 // block_half))
     cos_batch_stride = 0 if cos.shape[0] == 1 else cos.stride(0)  # position ids shared by the batch
     if b * t:
-        pdl = programmatic_launch(q.device)
         _rotary_kernel[(b * t, 2)](
             q, k, q_out, k_out, cos, sin, t, hq, hk, *_bht(q), *_bht(k), *_bht(q_out), *_bht(k_out),
             cos_batch_stride, cos.stride(1), HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, BACKWARD=backward,
-            PDL=pdl, num_warps=4, launch_pdl=pdl,
+            num_warps=4, **launch_options(q.device),
         )
 
 
@@ -344,11 +342,10 @@ def linear_group_fwd(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch
     slot_weights = [*weights, *[weights[0]] * (3 - len(weights))]
     slot_outs = [*outs, *[outs[0]] * (3 - len(outs))]
     if m:
-        pdl = programmatic_launch(x.device)
         _linear_group_kernel[(sum(tiles),)](
             x, *slot_weights, *slot_outs, m, *(w.shape[0] for w in slot_weights), k, tiles[0], sum(tiles[:2]),
             x.stride(0), *(w.stride(0) for w in slot_weights), *(o.stride(0) for o in slot_outs),
-            NUM_WEIGHTS=len(weights), DOT_PRECISION=_dot_precision(x), PDL=pdl, launch_pdl=pdl, **tiles_config,
+            NUM_WEIGHTS=len(weights), DOT_PRECISION=_dot_precision(x), **tiles_config, **launch_options(x.device),
         )
     return outs
 
@@ -360,9 +357,8 @@ def linear_swiglu_fwd(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor)
     out = x.new_empty((m, n))
     tiles_config = _skinny_tiles(x, buffered_loops=2, max_stages=3)
     if m:
-        pdl = programmatic_launch(x.device)
         _linear_swiglu_kernel[(triton.cdiv(n, tiles_config["BLOCK_N"]),)](
             x, w_gate, w_up, out, m, n, k, x.stride(0), w_gate.stride(0), w_up.stride(0), out.stride(0),
-            DOT_PRECISION=_dot_precision(x), PDL=pdl, launch_pdl=pdl, **tiles_config,
+            DOT_PRECISION=_dot_precision(x), **tiles_config, **launch_options(x.device),
         )
     return out
