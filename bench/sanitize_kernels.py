@@ -3,10 +3,11 @@
 Attention (forward, backward, varlen), decode and cache append, and the fused RMSNorm / SwiGLU / rotary / decode
 projections.
 
-On compute capability 9.0 the warp-specialized Gluon forward (``hopper_fwd.py``) and the split-group dk/dv run too,
-forced, on their own cases. The tuner is off unless ``S2_ATTENTION_AUTOTUNE`` says otherwise: each kernel runs its
-first candidate once (the GPU tests check every candidate's results). With the tuner's timing launches the whole script
-under memcheck ran past 170-300 s; without them it took 98 s on an H100 (2026-11-26, 0 errors)::
+On compute capability 9.0 the warp-specialized Gluon forward (``hopper_fwd.py``), the split-group dk/dv and the Gluon
+dk/dv (``hopper_bwd.py``) run too, forced, on their own cases. The tuner is off unless ``S2_ATTENTION_AUTOTUNE`` says
+otherwise: each kernel runs its first candidate once (the GPU tests check every candidate's results). With the
+tuner's timing launches the whole script under memcheck ran past 170-300 s; without them it took 98 s on an H100
+(2026-11-26, 0 errors)::
 
     compute-sanitizer --tool memcheck python bench/sanitize_kernels.py
 """
@@ -85,7 +86,9 @@ if DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0):
         (S2Pattern(32, 1, 2, per_query_head=True), 200, 128),
     ]:
         size = "small" if d <= 64 else "medium"
-        for dkdv_config in triton_impl._GROUP_SPLIT_DKDV:  # split GQA groups (of 4 here)
+        # split GQA groups (of 4 here), and the Gluon dk/dv where it runs (blocks >= 64)
+        gluon_dkdv = triton_impl._GLUON_DKDV if pattern.block_size >= 64 else []
+        for dkdv_config in triton_impl._GROUP_SPLIT_DKDV + gluon_dkdv:
             triton_impl._CANDIDATES[("dkdv", size)] = [dkdv_config]
             triton_impl._TUNED_CONFIGS.clear()
             q = torch.randn(2, 8, t, d, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)

@@ -27,6 +27,18 @@ SHAPES = [
 ]
 
 
+def attention_inputs(batch, q_heads, kv_heads, seqlen, head_dim, model_layout):
+    """Seeded bf16 q, k, v and an output gradient on the GPU, ``[B, H, T, D]``; with ``model_layout`` stored as the
+    model's ``[B, T, H, D]`` projections and seen through a transpose."""
+    torch.manual_seed(0)
+    shapes = [(batch, seqlen, h, head_dim) if model_layout else (batch, h, seqlen, head_dim)
+              for h in (q_heads, kv_heads, kv_heads, q_heads)]
+    q, k, v, grad = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in shapes)
+    if model_layout:
+        q, k, v, grad = (t.transpose(1, 2) for t in (q, k, v, grad))
+    return q, k, v, grad
+
+
 def parse_extra(spec: str) -> tuple[str, triton_impl.TileConfig]:
     """``kind:block_m,block_n,num_warps,num_stages[,field=value...]`` -> (kind, TileConfig)."""
     kind, fields = spec.split(":")
@@ -45,12 +57,7 @@ def main():
     pattern = S2Pattern(block_size=64, local_blocks=16, vert_stride=16, head_sliding_offset=0)
     results = {}
     for name, (batch, q_heads, kv_heads, seqlen, head_dim), model_layout in SHAPES:
-        torch.manual_seed(0)
-        shapes = [(batch, seqlen, h, head_dim) if model_layout else (batch, h, seqlen, head_dim)
-                  for h in (q_heads, kv_heads, kv_heads, q_heads)]
-        q, k, v, grad = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in shapes)
-        if model_layout:
-            q, k, v, grad = (t.transpose(1, 2) for t in (q, k, v, grad))
+        q, k, v, grad = attention_inputs(batch, q_heads, kv_heads, seqlen, head_dim, model_layout)
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         triton_impl._TUNED_CONFIGS.clear()
         triton_impl.TUNING_TIMINGS.clear()

@@ -5,7 +5,8 @@ Entry points: the launchers ``s2_attention_fwd`` and ``s2_attention_bwd``, per t
 (``interface.attention_op``, whose registered autograd calls ``s2::attention_backward``) -> ``s2_attention``;
 backward: ``s2_attention_bwd_dq_kernel`` (which also stores the rows' softmax statistics) and
 ``s2_attention_bwd_dkdv_kernel`` -> ``s2_attention_bwd``. On compute capability 9.0 the forward's tuner also times
-the warp-specialized Gluon forward (``hopper_fwd.py``, ``TileConfig.warp_specialized``) and runs it where it wins.
+the warp-specialized Gluon forward (``hopper_fwd.py``, ``TileConfig.gluon``) and the dk/dv tuner the warp-specialized
+Gluon dk/dv (``hopper_bwd.py``); each runs where it wins.
 
 Kernel tiles are decoupled from the sparsity granularity ``block_size``:
 
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import hopper_fwd
+from . import hopper_bwd, hopper_fwd
 from .layouts import BlockLayout, Varlen, empty_heads_last
 from .sequence_bounds import sequence_bounds
 from .triton_setup import TensorDescriptor, tl, triton
@@ -639,8 +640,10 @@ class TileConfig:
     block_m: int  # query positions per tile (resident in fwd/dq, gathered in dk/dv)
     block_n: int  # key positions per tile (gathered in fwd/dq, resident in dk/dv)
     num_warps: int
-    num_stages: int  # software-pipelining depth; for the warp-specialized forward: its ring of K/V buffers
-    warp_specialized: bool = False  # the Gluon forward for Hopper (hopper_fwd.py); block_m must be its BLOCK_M
+    num_stages: int  # software-pipelining depth
+    # Hopper's warp-specialized Gluon kernel of this kind: the forward (hopper_fwd.py; block_m must be its BLOCK_M) or
+    # dk/dv (hopper_bwd.py; 64 x 64 tiles, two key tiles a program). num_stages is then its ring of buffers.
+    gluon: bool = False
     group_split: int = 1  # dk/dv: programs sharing a GQA group's query heads (s2_attention_bwd_dkdv_kernel)
     max_registers: int | None = None  # per-thread register cap (ptxas maxnreg), so that more programs fit an SM
 
@@ -678,10 +681,14 @@ def _configs(*tiles: tuple[int, int, int]) -> list[TileConfig]:
 # 1.05-1.14x faster than 64-key steps with 3 buffers at every shape of issue 9; with 2 buffers they took 1.08-1.24x
 # the time (bench/NOTES.md).
 # Where hopper_fwd.supported; last in each list, so that S2_ATTENTION_AUTOTUNE=0 keeps the Triton forward.
-_WARP_SPECIALIZED_FWD = [TileConfig(hopper_fwd.BLOCK_M, 128, 4, 3, True)]
+_WARP_SPECIALIZED_FWD = [TileConfig(hopper_fwd.BLOCK_M, 128, 4, 3, gluon=True)]
 # dk/dv with a GQA group's query heads shared out among 2 or 4 programs (s2_attention_bwd_dkdv_kernel), where the group
 # size allows: shortens the longest lists, those of early vertical blocks, at the cost of float32 partial sums.
 _GROUP_SPLIT_DKDV = [TileConfig(64, 64, 4, 2, group_split=split) for split in (2, 4)]
+# The warp-specialized Gluon dk/dv (hopper_bwd.py), where hopper_bwd.supported; a ring of 2 Q/dO slots per consumer
+# (3 were no faster at D = 64 and do not fit D = 128's shared memory). H100, 2026-11-26: the backward 1.01-1.17x
+# faster than with the Triton 64 x 64 dk/dv tile at every shape of issue 9 with blocks >= 64 (bench/NOTES.md).
+_GLUON_DKDV = [TileConfig(64, 64, 4, 2, gluon=True)]
 # At D <= 64 the 4-warp forward and dq tiles need ~135 registers a thread, so 3 programs share an SM; capped at 128
 # (a few spills) 4 do, which hides more of each program's latency (softmax, loads) behind the others'. Likewise the
 # dk/dv tile: ~230-250 registers, 2 programs per SM; capped at 168 (~200 bytes of spills), 3. H100, 2026-11-25
@@ -700,8 +707,11 @@ _CANDIDATES = {
     ("dq", "large"): _configs((64, 32, 4), (64, 64, 8), (32, 64, 4)),
     ("dkdv", "small"): (
         _configs((64, 128, 8), (64, 64, 4), (32, 128, 4)) + _GROUP_SPLIT_DKDV + _REGISTER_CAPPED_DKDV_SMALL
+        + _GLUON_DKDV
     ),
-    ("dkdv", "medium"): _configs((64, 128, 8), (32, 128, 8), (64, 64, 4), (32, 64, 4)) + _GROUP_SPLIT_DKDV,
+    ("dkdv", "medium"): (
+        _configs((64, 128, 8), (32, 128, 8), (64, 64, 4), (32, 64, 4)) + _GROUP_SPLIT_DKDV + _GLUON_DKDV
+    ),
     ("dkdv", "large"): _configs((32, 64, 4), (16, 64, 4), (32, 32, 4), (64, 64, 8)),
 }
 
@@ -860,11 +870,11 @@ def s2_attention_fwd(
     warp_specialized_ok = hopper_fwd.supported(q, k, layout.causal, layout.block_size) and None not in row_views
 
     def usable(config: TileConfig) -> bool:
-        return not config.warp_specialized or warp_specialized_ok
+        return not config.gluon or warp_specialized_ok
 
     def launch(config: TileConfig):
         units, bits, counts = _unit_lists(layout, config.block_m, config.block_n, resident_is_query=True)
-        if config.warp_specialized:
+        if config.gluon:
             hopper_fwd.launch(q, k, v, out, lse, row_views, (units, bits, counts), problem, scale * LOG2E,
                               layout.block_size, config.block_n, layout.num_pattern_heads, config.num_stages)
             return
@@ -928,11 +938,20 @@ def s2_attention_bwd(
     # of the tensor, or zeros past it, and their lse (+inf) gives them p = 0.
     same_tokens = varlen.equal_lengths if varlen is not None else seqlen_q == k.shape[2]
 
+    dkdv_row_views = tuple(_row_view(t) for t in (q, dout, k, v))
+    gluon_dkdv_ok = (hopper_bwd.supported(q, k, layout.causal, layout.block_size, same_tokens)
+                     and None not in dkdv_row_views)
+
     def usable_dkdv(config: TileConfig) -> bool:  # (the group size is part of the tune key)
-        return (num_q_heads // num_kv_heads) % config.group_split == 0
+        return (num_q_heads // num_kv_heads) % config.group_split == 0 and (not config.gluon or gluon_dkdv_ok)
 
     def launch_dkdv(config: TileConfig):
         units, bits, counts = _unit_lists(layout, config.block_n, config.block_m, resident_is_query=False)
+        if config.gluon:
+            hopper_bwd.launch_dkdv(q, dout, k, v, lse_log2, delta, dk, dv, dkdv_row_views, (units, bits, counts),
+                                   problem, scale, scale * LOG2E, layout.block_size, layout.num_pattern_heads,
+                                   config.num_stages)
+            return
         split = config.group_split
         dk_out, dv_out = dk[None], dv[None]  # [split, *k.shape]: float32 partial sums when split, added up below
         if split > 1:
@@ -955,5 +974,6 @@ def s2_attention_bwd(
             dv.copy_(dv_out.sum(0))
 
     launch_dq(_pick_config("dq", problem.tune_key, head_dim, q.device, launch_dq))
-    launch_dkdv(_pick_config("dkdv", problem.tune_key, head_dim, q.device, launch_dkdv, usable_dkdv))
+    launch_dkdv(_pick_config("dkdv", (*problem.tune_key, gluon_dkdv_ok), head_dim, q.device, launch_dkdv,
+                             usable_dkdv))
     return dq, dk, dv

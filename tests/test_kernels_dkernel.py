@@ -3,8 +3,8 @@
 Both run the identical pattern (dkernel's ``LocalStrideSparseAttention`` equals ``S2Pattern`` with
 ``head_sliding_offset=0`` and dkernel's stripe step; the block masks are compared first) on bf16 inputs; outputs and
 gradients of both are measured against the fp32 PyTorch path. Ours must be as exact as dkernel's (2x its relative
-error for outputs, 3x for gradients, plus the bf16 rounding floor) and the two must agree with each other. Our forward
-runs as the Triton kernel and, on compute capability 9.0, as the warp-specialized Gluon kernel the tuner picks there.
+error for outputs, 3x for gradients, plus the bf16 rounding floor) and the two must agree with each other. Ours runs
+as the Triton kernels and, on compute capability 9.0, as the Gluon forward and dk/dv the tuner picks there.
 Skipped without CUDA or without dkernel (the ``dkernel`` package, linxihui/dkernel, installed from its source).
 """
 
@@ -51,26 +51,35 @@ CASES = [  # batch, q heads, kv heads, T, D, block_size, local_blocks, vert_stri
 ]
 
 
-def _force_warp_specialized_forward(monkeypatch, head_dim: int, block_size: int) -> list:
-    """Make the Gluon forward (hopper_fwd.py, what the tuner picks on an H100 at most shapes) the only forward
-    candidate; returns the list its launches append to. Skips where it cannot run."""
+def _force_gluon_kernels(monkeypatch, head_dim: int, block_size: int) -> dict:
+    """Make the Gluon kernels (what the tuner picks on an H100 at most shapes) the only candidates: the forward
+    (hopper_fwd.py), and for blocks >= 64 the dk/dv (hopper_bwd.py). Returns the lists their launches append to;
+    skips where the forward cannot run."""
     if torch.cuda.get_device_capability() != (9, 0) or block_size < 32:
-        pytest.skip("the warp-specialized forward is for compute capability 9.0 and blocks >= 32")
+        pytest.skip("the Gluon kernels are for compute capability 9.0 and blocks >= 32")
     size = "small" if head_dim <= 64 else "medium"
     monkeypatch.setitem(triton_impl._CANDIDATES, ("fwd", size), triton_impl._WARP_SPECIALIZED_FWD)
+    launches = {"forward": []}
+    if block_size >= 64:
+        monkeypatch.setitem(triton_impl._CANDIDATES, ("dkdv", size), triton_impl._GLUON_DKDV)
+        launches["dk/dv"] = []
     monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})
-    launches = []
-    launch = triton_impl.hopper_fwd.launch
-    monkeypatch.setattr(triton_impl.hopper_fwd, "launch", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
+    for name, module, function in (("forward", triton_impl.hopper_fwd, "launch"),
+                                   ("dk/dv", triton_impl.hopper_bwd, "launch_dkdv")):
+        if name in launches:
+            run = getattr(module, function)
+            monkeypatch.setattr(module, function, lambda *a, run=run, seen=launches[name], **kw: seen.append(1)
+                                or run(*a, **kw))
     return launches
 
 
-@pytest.mark.parametrize("forward", ["triton", "warp-specialized"])
+@pytest.mark.parametrize("kernels", ["triton", "gluon"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-H{c[1]}/{c[2]}-T{c[3]}-D{c[4]}-bs{c[5]}")
-def test_matches_dkernel(monkeypatch, case, forward):
-    """Our forward (the Triton kernel, or on compute capability 9.0 the Gluon one) and backward against dkernel."""
+def test_matches_dkernel(monkeypatch, case, kernels):
+    """Our forward and backward against dkernel: the Triton kernels, or on compute capability 9.0 the Gluon forward
+    and (blocks >= 64) the Gluon dk/dv."""
     batch, q_heads, kv_heads, seqlen, head_dim, block_size, local_blocks, vert_stride = case
-    launches = _force_warp_specialized_forward(monkeypatch, head_dim, block_size) if forward != "triton" else None
+    launches = _force_gluon_kernels(monkeypatch, head_dim, block_size) if kernels == "gluon" else {}
     pattern = _pattern(block_size, local_blocks, vert_stride, q_heads)
     theirs = dkernel.LocalStrideSparseAttention(
         q_heads, seqlen, block_size, local_blocks, vert_stride, num_kv_heads=kv_heads if kv_heads != q_heads else None,
@@ -106,7 +115,7 @@ def test_matches_dkernel(monkeypatch, case, forward):
 
     reference = run(lambda *t: s2_attention(*t, pattern, backend="torch"), torch.float32)
     ours = run(lambda *t: s2_attention(*t, pattern, backend="triton"), torch.bfloat16)
-    assert launches is None or launches, "the warp-specialized forward did not run"
+    assert all(launches.values()), f"not every forced Gluon kernel ran: {launches}"
     their = run(dkernel_attention, torch.bfloat16)
     for name, mine, other, ref, factor in zip(("out", "dq", "dk", "dv"), ours, their, reference, (2, 3, 3, 3)):
         our_error, their_error = _relative_error(mine, ref), _relative_error(other, ref)

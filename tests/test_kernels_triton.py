@@ -360,9 +360,10 @@ def test_gpu_every_candidate_config(monkeypatch, kind, size, config):
     monkeypatch.setitem(triton_impl._CANDIDATES, (kind, size), [config])
     monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})
     head_dim = {"small": 64, "medium": 128, "large": 256}[size]
-    if config.warp_specialized and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the warp-specialized forward is for compute capability 9.0")
-    pattern = S2Pattern(block_size=32, local_blocks=3, vert_stride=4)
+    if config.gluon and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are for compute capability 9.0")
+    block_size = 64 if config.gluon and kind == "dkdv" else 32  # (the Gluon dk/dv takes blocks >= 64)
+    pattern = S2Pattern(block_size=block_size, local_blocks=3, vert_stride=4)
     check_against_reference(400, (1, 8, 2, 1111, 1111, head_dim), torch.bfloat16, pattern)  # GQA groups of 4
 
 
@@ -433,6 +434,53 @@ def test_gpu_warp_specialized_forward_varlen(monkeypatch, programs, config):
     low_out, low_lse = naive_s2_attention(q, k, v, pattern, dtype=torch.bfloat16, cu_seqlens_q=cu, cu_seqlens_k=cu)
     _assert_close("out", out, exact_out, low_out, 2, ABS_FLOOR[torch.bfloat16])
     _assert_close("lse", lse, exact_lse, low_lse, 2, ABS_FLOOR[torch.bfloat16])
+
+
+def _force_gluon_dkdv(monkeypatch, head_dim: int) -> list:
+    """Make the Gluon dk/dv (hopper_bwd.py) the only dk/dv candidate; returns the list its launches append to."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon dk/dv is for compute capability 9.0")
+    size = "small" if head_dim <= 64 else "medium"
+    monkeypatch.setitem(triton_impl._CANDIDATES, ("dkdv", size), triton_impl._GLUON_DKDV)
+    monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})
+    launches = []
+    launch = triton_impl.hopper_bwd.launch_dkdv
+    monkeypatch.setattr(triton_impl.hopper_bwd, "launch_dkdv", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
+    return launches
+
+
+# The Gluon forward's cases that the Gluon dk/dv takes: queries that are the keys' tokens, blocks >= 64.
+GLUON_DKDV_CASES = [
+    case for case in WARP_SPECIALIZED_CASES if case[0][3] == case[0][4] and case[1]["block_size"] >= 64
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", range(len(GLUON_DKDV_CASES)))
+def test_gpu_gluon_dkdv(monkeypatch, case, dtype):
+    """The Gluon dk/dv against the float64 reference: odd lengths (a sequence ending inside a query unit and a key
+    tile; an odd number of key tiles, so that a program's second consumer has none), GQA groups of 2 and 4 (its ring
+    runs on across a group's heads), one pattern per query head, dense heads, the [B, T, H, D] projection output
+    behind a transpose, D = 64 and 128, blocks 64 and 128; it must really run."""
+    shape, fields, memory = GLUON_DKDV_CASES[case]
+    assert len(GLUON_DKDV_CASES) == 4
+    launches = _force_gluon_dkdv(monkeypatch, shape[-1])
+    check_against_reference(540 + case, shape, dtype, S2Pattern(**fields), memory=memory)
+    assert launches, "the Gluon dk/dv did not run"
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_dkdv_varlen(monkeypatch):
+    """Packed sequences (an empty one, one shorter than a tile, ends inside a query unit) through the Gluon dk/dv:
+    a sequence's rows past its end read the next sequence's, which must not leak into its gradients."""
+    launches = _force_gluon_dkdv(monkeypatch, 128)
+    lens = [1000, 0, 1, 2047, 700]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    pattern = S2Pattern(block_size=64, local_blocks=4, vert_stride=8)
+    check_against_reference(550, (1, 8, 2, sum(lens), sum(lens), 128), torch.bfloat16, pattern,
+                            cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert launches, "the Gluon dk/dv did not run"
 
 
 # The Gluon forward's cases with GQA groups (of 2 or 4) and queries that are the keys' tokens (training).

@@ -1,0 +1,344 @@
+"""Warp-specialized S2-Attention dK/dV for Hopper (sm_90), written in Gluon.
+
+Why a second dK/dV kernel: the Triton one (``triton_impl.s2_attention_bwd_dkdv_kernel``) is the largest kernel of the
+backward. Triton 3.6 waits for every matrix product that is not a loop-carried accumulator right after issuing it
+(``wgmma.wait_group 0``), so inside a program ``S^T``, its exponentials, ``dP^T`` and ``dS^T`` run in series, and the
+same warps also compute every load's address and wait for it. Here the waits are placed by hand and a loader warp
+issues the copies, so a consumer's step is its products and their elementwise work only (350 SASS instructions at
+D = 128 against the Triton step's 460). Per step, in a consumer warp group:
+
+    S^T = K Q^T and dP^T = V dO^T issued together        (tensor cores busy with dP^T ...
+    wait for S^T only; P^T = exp2((S^T - lse) * scale)    ... while the exponentials run)
+    dV += P^T dO issued                                   (busy with dV ...
+    wait for dP^T only; dS^T = P^T (dP^T - delta)         ... while dS^T is computed)
+    dK += dS^T Q issued, then wait for both; the slot is released
+
+A program runs two neighbouring key tiles of ``BLOCK_N = 64`` keys of one KV head, one per consumer warp group (K and
+V resident in shared memory), each reduced over the query heads of its GQA group and walking its own list
+(``triton_impl.build_unit_lists`` with ``resident_is_query=False``: full query units first, from the sequence's end,
+then the partial ones, masked with their keep bits and causality). A 128-key tile with one list would walk the union
+of both blocks' lists (a vertical block is read by every later query, its neighbour only by its local window: the
+fifth session's Gluon dK/dV lost 2x to that). Partitions:
+
+* loader (1 warp): K and V of both tiles, then per step of each consumer Q and dO of one list entry (``BLOCK_M = 64``
+  query rows, one TMA box each) and the rows' lse and delta into that consumer's ring of ``NUM_BUFFERS`` slots, the
+  two rings' steps alternated;
+* two consumers (4 warps each), as above.
+
+Scope (``supported``): causal, queries and keys the same tokens (training: ``Tq == Tk``, or varlen with equal
+lengths), so that a query unit's rows start where its keys do and a TMA box needs no mask; 16-bit inputs, head dim 64
+or 128, ``block_size >= 64`` (a list entry is one contiguous box), compute capability 9.0, and tensors
+``triton_impl._row_view`` can view as rows. Rows past a sequence's end inside its last unit read the next rows of the
+tensor (finite) or TMA's zeros; their lse is read as ``+inf``, so their ``P`` and ``dS`` are 0. Keys past the end are
+computed and not stored. Everything else stays on the Triton kernel, and the tuner runs this one where it is faster
+(on an H100 at every block-64 and block-128 shape of issue 9: bench/NOTES.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .hopper_fwd import AVAILABLE, MAXNREG
+from .sequence_bounds import sequence_bounds
+
+if AVAILABLE:
+    from .hopper_fwd import GluonTensorDescriptor, gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+BLOCK_N = 64  # keys per consumer warp group: wgmma's M (16 rows per warp, 4 warps)
+BLOCK_M = 64  # query rows per step: one list unit
+# Registers per thread, (consumer, loader), by head dim: 12 warps (the loader's warp padded to a warp group) share
+# 64K registers, 168 each at launch. A consumer holds dK and dV (64 x D fp32 each: 128 registers at D = 128), a
+# step's S^T and dP^T (32 each) and P^T or dS^T in 16 bits; the loader its two cursors. Offline (ptxas, sm_90): no
+# spills in the consumers' step loops at either split, and none at all at D = 64 (the loader spills ~50 bytes at
+# D = 128, outside the consumers' path).
+REGISTERS = {64: (208, 80), 128: (240, 24)}
+
+if AVAILABLE:
+
+    @gluon.jit
+    def _member_list(member, kv_head, tile, has_keys, group_args):
+        """Query head ``member`` of the KV head's group: its index, list, keep bits, ``num_full`` and ``num_entries``
+        (both 0 for ``member`` past the group, or a tile past the sequence's end)."""
+        (unit_lists, unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern,
+         q_heads_per_kv) = group_args
+        listed = (member < q_heads_per_kv) & has_keys
+        q_head = kv_head * q_heads_per_kv + member
+        pattern_head = q_head // q_heads_per_pattern
+        list_offset = pattern_head.to(gl.int64) * stride_up + tile.to(gl.int64) * stride_ut
+        counts = unit_counts + pattern_head.to(gl.int64) * stride_cp + tile.to(gl.int64) * stride_ct
+        num_full = gl.load(counts, mask=listed, other=0)
+        num_entries = gl.load(counts + 1, mask=listed, other=0)
+        return q_head, unit_lists + list_offset, unit_bits + list_offset, num_full, num_entries
+
+    @gluon.jit
+    def _member_rows(member, kv_head, tile, has_keys, seq, q_start, group_args, row_strides, stats_args):
+        """Where query head ``member``'s copies come from: its list length and list, the rows of its sequence's first
+        query in the Q and dO row descriptors' views and their columns, and its rows of lse and delta."""
+        stride_qb, stride_qh, stride_qt, stride_gb, stride_gh, stride_gt = row_strides
+        lse_log2, delta, stride_sb, stride_sh = stats_args
+        q_head, list_base, _, _, num_entries = _member_list(member, kv_head, tile, has_keys, group_args)
+        q_offset = seq.to(gl.int64) * stride_qb + q_head.to(gl.int64) * stride_qh
+        do_offset = seq.to(gl.int64) * stride_gb + q_head.to(gl.int64) * stride_gh
+        stats_offset = seq.to(gl.int64) * stride_sb + q_head.to(gl.int64) * stride_sh + q_start
+        return (num_entries, list_base, (q_offset // stride_qt).to(gl.int32) + q_start,
+                (q_offset % stride_qt).to(gl.int32), (do_offset // stride_gt).to(gl.int32) + q_start,
+                (do_offset % stride_gt).to(gl.int32), lse_log2 + stats_offset, delta + stats_offset)
+
+    @gluon.jit
+    def _skip_empty(cursor, kv_head, tile, has_keys, seq, q_start, group_args, row_strides, stats_args):
+        """``cursor = (step, member, entry, *_member_rows(member))`` moved past the members whose list is done
+        (``member == q_heads_per_kv`` once the whole group is)."""
+        step, member, entry, num_entries, list_base, q_row, q_col, do_row, do_col, lse_base, delta_base = cursor
+        q_heads_per_kv = group_args[-1]
+        while (entry >= num_entries) & (member < q_heads_per_kv):
+            member += 1
+            entry = 0
+            num_entries, list_base, q_row, q_col, do_row, do_col, lse_base, delta_base = _member_rows(
+                member, kv_head, tile, has_keys, seq, q_start, group_args, row_strides, stats_args)
+        return step, member, entry, num_entries, list_base, q_row, q_col, do_row, do_col, lse_base, delta_base
+
+    @gluon.jit
+    def _copy_step(cursor, q_desc, do_desc, q_bufs, do_bufs, stats_bufs, ready, free, ring, seqlen):
+        """Copy the cursor's step into ring ``ring``'s next slot once its consumer has freed it: Q and dO by TMA,
+        the rows' lse and delta (0 past the sequence's end) stored by this warp; ``ready`` completes after both
+        (it counts two arrivals: the TMA's expectation and the stores'). Returns the cursor one entry on."""
+        step, member, entry, num_entries, list_base, q_row, q_col, do_row, do_col, lse_base, delta_base = cursor
+        ROWS: gl.constexpr = q_desc.block_type.shape[0]
+        NUM_BUFFERS: gl.constexpr = q_bufs.type.shape[0] // 2
+        slot = ring * NUM_BUFFERS + step % NUM_BUFFERS
+        # A fresh mbarrier counts as having completed the phase before 0, so first passes do not wait.
+        mbarrier.wait(free.index(slot), ((step // NUM_BUFFERS) & 1) ^ 1)
+        unit_row = gl.load(list_base + entry) * ROWS  # the step's first query, counted in its sequence
+        mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row + unit_row, q_col], ready.index(slot), q_bufs.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [do_row + unit_row, do_col], ready.index(slot), do_bufs.index(slot))
+        offs = gl.arange(0, 2 * ROWS, layout=gl.BlockedLayout([4], [32], [1], [0]))  # lse rows, then delta rows
+        q_pos = unit_row + offs % ROWS
+        stats = gl.load(gl.where(offs < ROWS, lse_base, delta_base) + q_pos, mask=q_pos < seqlen, other=0.0)
+        stats_bufs.index(slot).store(stats)
+        gl.thread_barrier()  # every lane's stores before the arrival
+        mbarrier.arrive(ready.index(slot), count=1)
+        return step + 1, member, entry + 1, num_entries, list_base, q_row, q_col, do_row, do_col, lse_base, delta_base
+
+    @gluon.jit
+    def _load_partition(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, stats_bufs, k_smem, v_smem, kv_ready,
+                        ready, free, tile_args, group_args, row_strides, stats_args, kv_strides):
+        """Issue every copy: each consumer's K and V, then its steps, the two rings' steps alternated."""
+        pair, kv_head, seq, q_start, k_start, seqlen_k = tile_args
+        stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt = kv_strides
+        KEYS: gl.constexpr = k_desc.block_type.shape[0]
+        k_offset = seq.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh
+        v_offset = seq.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh
+        for ring in gl.static_range(2):
+            first_key = (2 * pair + ring) * KEYS
+            if first_key < seqlen_k:
+                mbarrier.expect(kv_ready.index(ring), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [(k_offset // stride_kt).to(gl.int32) + k_start + first_key,
+                                                         (k_offset % stride_kt).to(gl.int32)], kv_ready.index(ring),
+                                                k_smem.index(ring))
+                tma.async_copy_global_to_shared(v_desc, [(v_offset // stride_vt).to(gl.int32) + k_start + first_key,
+                                                         (v_offset % stride_vt).to(gl.int32)], kv_ready.index(ring),
+                                                v_smem.index(ring))
+        tile_0 = 2 * pair
+        tile_1 = 2 * pair + 1
+        keys_0 = tile_0 * KEYS < seqlen_k
+        keys_1 = tile_1 * KEYS < seqlen_k
+        rows_0 = _member_rows(0, kv_head, tile_0, keys_0, seq, q_start, group_args, row_strides, stats_args)
+        rows_1 = _member_rows(0, kv_head, tile_1, keys_1, seq, q_start, group_args, row_strides, stats_args)
+        cursor_0 = _skip_empty((0, 0, 0, rows_0[0], rows_0[1], rows_0[2], rows_0[3], rows_0[4], rows_0[5], rows_0[6],
+                                rows_0[7]), kv_head, tile_0, keys_0, seq, q_start, group_args, row_strides, stats_args)
+        cursor_1 = _skip_empty((0, 0, 0, rows_1[0], rows_1[1], rows_1[2], rows_1[3], rows_1[4], rows_1[5], rows_1[6],
+                                rows_1[7]), kv_head, tile_1, keys_1, seq, q_start, group_args, row_strides, stats_args)
+        q_heads_per_kv = group_args[-1]
+        while (cursor_0[1] < q_heads_per_kv) | (cursor_1[1] < q_heads_per_kv):
+            if cursor_0[1] < q_heads_per_kv:
+                cursor_0 = _skip_empty(_copy_step(cursor_0, q_desc, do_desc, q_bufs, do_bufs, stats_bufs, ready, free,
+                                                  0, seqlen_k), kv_head, tile_0, keys_0, seq, q_start, group_args,
+                                       row_strides, stats_args)
+            if cursor_1[1] < q_heads_per_kv:
+                cursor_1 = _skip_empty(_copy_step(cursor_1, q_desc, do_desc, q_bufs, do_bufs, stats_bufs, ready, free,
+                                                  1, seqlen_k), kv_head, tile_1, keys_1, seq, q_start, group_args,
+                                       row_strides, stats_args)
+
+    @gluon.jit
+    def _dkdv_step(dk_acc, dv_acc, k_tile, v_tile, q_bufs, do_bufs, stats_bufs, ready, free, slot, phase, unit,
+                   keep_bits, k_pos, block_in_tile, seqlen, qk_scale, inv_qk_scale, MASKED: gl.constexpr,
+                   s_layout: gl.constexpr, a_layout: gl.constexpr):
+        """Accumulate the step's ``dK`` (unscaled) and ``dV``: query unit ``unit`` against the key tile."""
+        ROWS: gl.constexpr = q_bufs.type.shape[1]
+        KEYS: gl.constexpr = k_tile.type.shape[0]
+        q_pos = unit * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))  # [ROWS] positions
+        mbarrier.wait(ready.index(slot), phase)
+        stats = stats_bufs.index(slot)
+        lse_row = gl.where(q_pos < seqlen, stats.slice(0, ROWS).load(q_pos.type.layout), float("inf"))  # p = 0
+        delta_row = stats.slice(ROWS, ROWS).load(q_pos.type.layout)
+        q_tile = q_bufs.index(slot)  # [ROWS, D]
+        do_tile = do_bufs.index(slot)
+        # lse enters as the initial accumulator (S^T - lse / qk_scale), so it occupies no registers of its own while
+        # the products run. (dP^T starts from zero: an initial accumulator is copied into the product's registers
+        # after its fence, and ptxas then waits for S^T before issuing it.)
+        zeros = gl.zeros([KEYS, ROWS], gl.float32, s_layout)
+        s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), zeros - (lse_row * inv_qk_scale)[None, :], is_async=True)
+        dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
+        s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
+        p_t = gl.exp2(s_t * qk_scale)  # [KEYS, ROWS]
+        if MASKED:  # a partial entry: keep bits and causality
+            kept = ((keep_bits >> block_in_tile) & 1) != 0
+            p_t = gl.where(kept[:, None] & (k_pos[:, None] <= q_pos[None, :]), p_t, 0.0)
+        dv_acc = warpgroup_mma(gl.convert_layout(p_t.to(do_tile.dtype), a_layout), do_tile, dv_acc, is_async=True)
+        dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t,))
+        ds_t = p_t * (dp_t - delta_row[None, :])
+        dk_acc = warpgroup_mma(gl.convert_layout(ds_t.to(q_tile.dtype), a_layout), q_tile, dk_acc, is_async=True)
+        dv_acc, dk_acc = warpgroup_mma_wait(num_outstanding=0, deps=(dv_acc, dk_acc))
+        mbarrier.arrive(free.index(slot), count=1)
+        return dk_acc, dv_acc
+
+    @gluon.jit
+    def _compute_partition(ring: gl.constexpr, q_bufs, do_bufs, stats_bufs, k_smem, v_smem, kv_ready, ready, free,
+                           tile_args, group_args, grad_args, qk_scale, scale, BLOCK_SIZE: gl.constexpr):
+        """Consumer ``ring`` (0 or 1): key tile ``2 * pair + ring``."""
+        pair, kv_head, seq, q_start, k_start, seqlen_k = tile_args
+        dk, dv, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt = grad_args
+        NUM_BUFFERS: gl.constexpr = q_bufs.type.shape[0] // 2
+        ROWS: gl.constexpr = q_bufs.type.shape[1]
+        HEAD_DIM: gl.constexpr = q_bufs.type.shape[2]
+        KEYS: gl.constexpr = k_smem.type.shape[1]
+        tile = 2 * pair + ring
+        has_keys = tile * KEYS < seqlen_k
+        if has_keys:
+            s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, ROWS, 16])
+            acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                 instr_shape=[16, HEAD_DIM, 16])
+            a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+            k_pos = tile * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))  # [KEYS] positions
+            block_in_tile = k_pos // BLOCK_SIZE - (tile * KEYS) // BLOCK_SIZE  # bit index of each key's block
+            inv_qk_scale = 1.0 / qk_scale
+            dk_acc = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
+            dv_acc = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
+            k_tile = k_smem.index(ring)
+            v_tile = v_smem.index(ring)
+            mbarrier.wait(kv_ready.index(ring), 0)
+            step = 0
+            for member in range(group_args[-1]):
+                list_base, bits_base, num_full, num_entries = _member_list(member, kv_head, tile, has_keys,
+                                                                           group_args)[1:]
+                for entry in range(num_full):
+                    dk_acc, dv_acc = _dkdv_step(dk_acc, dv_acc, k_tile, v_tile, q_bufs, do_bufs, stats_bufs, ready,
+                                                free, ring * NUM_BUFFERS + step % NUM_BUFFERS,
+                                                (step // NUM_BUFFERS) & 1, gl.load(list_base + entry), 0, k_pos,
+                                                block_in_tile, seqlen_k, qk_scale, inv_qk_scale, False, s_layout,
+                                                a_layout)
+                    step += 1
+                for entry in range(num_full, num_entries):
+                    dk_acc, dv_acc = _dkdv_step(dk_acc, dv_acc, k_tile, v_tile, q_bufs, do_bufs, stats_bufs, ready,
+                                                free, ring * NUM_BUFFERS + step % NUM_BUFFERS,
+                                                (step // NUM_BUFFERS) & 1, gl.load(list_base + entry),
+                                                gl.load(bits_base + entry), k_pos, block_in_tile, seqlen_k, qk_scale,
+                                                inv_qk_scale, True, s_layout, a_layout)
+                    step += 1
+            keys_acc: gl.constexpr = gl.SliceLayout(1, acc_layout)
+            k_pos_acc = gl.convert_layout(k_pos, keys_acc)
+            rows = (k_start + k_pos_acc).to(gl.int64)[:, None]
+            key_real = (k_pos_acc < seqlen_k)[:, None]
+            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))[None, :]
+            dk_head = dk + seq.to(gl.int64) * stride_dkb + kv_head.to(gl.int64) * stride_dkh
+            dv_head = dv + seq.to(gl.int64) * stride_dvb + kv_head.to(gl.int64) * stride_dvh
+            gl.store(dk_head + rows * stride_dkt + cols, (dk_acc * scale).to(dk.dtype.element_ty), mask=key_real)
+            gl.store(dv_head + rows * stride_dvt + cols, dv_acc.to(dv.dtype.element_ty), mask=key_real)
+
+    @gluon.jit
+    def s2_attention_bwd_dkdv_ws_kernel(
+        q_desc, do_desc, k_desc, v_desc,  # row descriptors (triton_impl._row_view), boxes [BLOCK_M, D], [BLOCK_N, D]
+        lse_log2, delta, dk, dv,  # [B, Hq, T] float32 x 2 (stored by the dq kernel), [B, Hkv, T, D] x 2
+        unit_lists, unit_bits, unit_counts,  # the dk/dv lists for BLOCK_N-key tiles (build_unit_lists)
+        cu_seqlens_q, cu_seqlens_k,  # int32 [S + 1], read only when IS_VARLEN
+        stride_qb, stride_qh, stride_qt, stride_gb, stride_gh, stride_gt, stride_kb, stride_kh, stride_kt,
+        stride_vb, stride_vh, stride_vt, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
+        stride_sb, stride_sh, stride_up, stride_ut, stride_cp, stride_ct,
+        seqlen_q, seqlen_k, scale, qk_scale, q_heads_per_pattern, q_heads_per_kv,
+        BLOCK_SIZE: gl.constexpr, IS_VARLEN: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+        CONSUMER_REGISTERS: gl.constexpr, LOADER_REGISTERS: gl.constexpr,
+    ):
+        """Grid ``(ceil(num_k_tiles / 2), Hkv, B or S)``: dK, dV of two neighbouring ``BLOCK_N``-key tiles of one KV
+        head, one per consumer warp group, each with its own list and ring, fed by one loader warp. ``qk_scale =
+        scale * log2(e)``."""
+        ROWS: gl.constexpr = q_desc.block_type.shape[0]
+        KEYS: gl.constexpr = k_desc.block_type.shape[0]
+        HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+        pair = gl.program_id(0)
+        kv_head = gl.program_id(1)
+        seq = gl.program_id(2)
+        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(cu_seqlens_q, cu_seqlens_k, seq, seqlen_q, seqlen_k,
+                                                               IS_VARLEN)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, KEYS, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, KEYS, HEAD_DIM], v_desc.layout)
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2 * NUM_BUFFERS, ROWS, HEAD_DIM], q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(do_desc.dtype, [2 * NUM_BUFFERS, ROWS, HEAD_DIM], do_desc.layout)
+        stats_bufs = gl.allocate_shared_memory(gl.float32, [2 * NUM_BUFFERS, 2 * ROWS],
+                                               gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [2 * NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [2 * NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+        for ring in gl.static_range(2):
+            mbarrier.init(kv_ready.index(ring), count=1)
+        for slot in gl.static_range(2 * NUM_BUFFERS):
+            mbarrier.init(ready.index(slot), count=2)  # the TMA's expectation and the statistics' stores
+            mbarrier.init(free.index(slot), count=1)
+
+        tile_args = (pair, kv_head, seq, q_start, k_start, seqlen_k)
+        group_args = (unit_lists, unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct,
+                      q_heads_per_pattern, q_heads_per_kv)
+        row_strides = (stride_qb, stride_qh, stride_qt, stride_gb, stride_gh, stride_gt)
+        stats_args = (lse_log2, delta, stride_sb, stride_sh)
+        kv_strides = (stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt)
+        grad_args = (dk, dv, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt)
+        gl.warp_specialize(
+            [
+                (_compute_partition, (0, q_bufs, do_bufs, stats_bufs, k_smem, v_smem, kv_ready, ready, free,
+                                      tile_args, group_args, grad_args, qk_scale, scale, BLOCK_SIZE)),
+                (_compute_partition, (1, q_bufs, do_bufs, stats_bufs, k_smem, v_smem, kv_ready, ready, free,
+                                      tile_args, group_args, grad_args, qk_scale, scale, BLOCK_SIZE)),
+                (_load_partition, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, stats_bufs, k_smem, v_smem,
+                                   kv_ready, ready, free, tile_args, group_args, row_strides, stats_args,
+                                   kv_strides)),
+            ],
+            [4, 1],
+            [CONSUMER_REGISTERS, LOADER_REGISTERS],  # the default partition (consumer 0) gets what is left
+        )
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, causal: bool, block_size: int, same_tokens: bool) -> bool:
+    """Whether this kernel can run the call, given row views of q, dout, k and v (``triton_impl._row_view``)."""
+    return (
+        AVAILABLE and q.is_cuda and causal and same_tokens and q.dtype in (torch.float16, torch.bfloat16)
+        and q.dtype == k.dtype and q.shape[-1] in (64, 128) and block_size >= BLOCK_M
+        and torch.cuda.get_device_capability(q.device) == (9, 0)
+    )
+
+
+def launch_dkdv(q, dout, k, v, lse_log2, delta, dk, dv, row_views, lists, problem, scale: float, qk_scale: float,
+                block_size: int, num_pattern_heads: int, num_buffers: int) -> None:
+    """Run the kernel. ``row_views``: ``(shape, strides)`` of q, dout, k and v seen as rows
+    (``triton_impl._row_view``); ``lists``: the dk/dv lists for ``BLOCK_N``-key tiles and ``BLOCK_M``-query units;
+    ``problem``: ``triton_impl._Problem``; ``lse_log2``, ``delta``: contiguous ``[B, Hq, T]``."""
+    units, bits, counts = lists
+    gl_dtype = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
+    head_dim = q.shape[-1]
+    descriptors = []
+    for t, (shape, strides), rows in zip((q, dout, k, v), row_views, (BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_N)):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
+        descriptors.append(GluonTensorDescriptor(t, shape, strides, [rows, head_dim], layout))
+    num_kv_heads = k.shape[1]
+    grid = (-(-problem.max_seqlen_k // (2 * BLOCK_N)), num_kv_heads, problem.num_seqs)
+    stats_strides = (0 if problem.is_varlen else delta.stride(0), delta.stride(1))
+    s2_attention_bwd_dkdv_ws_kernel[grid](
+        *descriptors, lse_log2, delta, dk, dv, units, bits, counts, problem.cu_seqlens_q, problem.cu_seqlens_k,
+        *problem.strides(q)[:3], *problem.strides(dout)[:3], *problem.strides(k)[:3], *problem.strides(v)[:3],
+        *problem.strides(dk)[:3], *problem.strides(dv)[:3], *stats_strides, *units.stride()[:2],
+        *counts.stride()[:2], q.shape[2], k.shape[2], scale, qk_scale, q.shape[1] // num_pattern_heads,
+        q.shape[1] // num_kv_heads,
+        BLOCK_SIZE=block_size, IS_VARLEN=problem.is_varlen, NUM_BUFFERS=num_buffers,
+        CONSUMER_REGISTERS=REGISTERS[head_dim][0], LOADER_REGISTERS=REGISTERS[head_dim][1], num_warps=4,
+        maxnreg=MAXNREG,
+    )
