@@ -6,8 +6,9 @@ SMs as they free up and do their set-up, then wait in ``griddepcontrol.wait`` un
 and its writes are visible. Between two such kernels, the second one's launch and set-up overlap the first one's
 tail. The decode-step kernels (decode attention, cache append, RMSNorm, rotary, decode-sized projections) launch this
 way. On an H100 (bench/NOTES.md, twentieth session): a decode launch at batch 8, 32k in a CUDA graph of decode
-launches 22.84 -> 22.07 us; the ``generate`` step of the 1B hybrid at 32k 1.88 -> 1.86 ms (batch 8) and 1.39 ->
-1.34 ms (batch 1).
+launches 22.84 -> 22.07 us; the ``generate`` step of the 1B hybrid at 32k, PDL off -> on alternated in one process,
+1.89 / 1.89 -> 1.83 / 1.86 ms at batch 8 (PDL's arm first: the first arm of a process ran fastest) and 1.39 -> 1.34 ms
+at batch 1.
 
 The rule each kernel keeps (``wait_for_preceding_kernel``): nothing before the wait reads what a preceding kernel
 may write, or writes anything. Only tables that are copied to the GPU once, when a layout is first used, are read

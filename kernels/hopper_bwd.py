@@ -31,9 +31,9 @@ or 128, ``block_size >= 64`` (a list entry is one contiguous box), compute capab
 ``triton_impl._row_view`` can view as rows. Rows past a sequence's end inside its last unit read the next rows of the
 tensor (finite) or TMA's zeros; their lse is read as ``+inf``, so their ``P`` and ``dS`` are 0. Keys past the end are
 computed and not stored. Everything else stays on the Triton kernel, and the tuner runs this one where it is faster
-(on an H100, forced: the backward 1.01-1.17x at every shape of issue 9 with blocks >= 64; through the tuner dk/dv
-1.03-1.26x at D = 128, a tie with the register-capped Triton tile at D = 64: bench/NOTES.md). Deterministic, as the
-Triton kernel: each key tile's sums run in one consumer, in list order.
+(on an H100, forced: the backward 1.01-1.17x at every shape of issue 9 with blocks >= 64; in the tuner's short
+timings dk/dv 1.03-1.26x at D = 128 and a tie with the register-capped Triton tile at D = 64: bench/NOTES.md).
+Deterministic, as the Triton kernel: each key tile's sums run in one consumer, in list order.
 """
 
 from __future__ import annotations
