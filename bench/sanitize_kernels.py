@@ -3,9 +3,9 @@
 Attention (forward, backward, varlen), decode and cache append, and the fused RMSNorm / SwiGLU / rotary / decode
 projections.
 
-On compute capability 9.0 the warp-specialized Gluon forward (``hopper_fwd.py``), the split-group dk/dv and the Gluon
-dk/dv (``hopper_bwd.py``) run too, forced, on their own cases. The tuner is off unless ``S2_ATTENTION_AUTOTUNE`` says
-otherwise: each kernel runs its first candidate once (the GPU tests check every candidate's results). With the
+On compute capability 9.0 the warp-specialized Gluon forward (``hopper_fwd.py``), the split-group dk/dv, the Gluon dq
+and dk/dv (``hopper_bwd.py``) run too, forced, on their own cases. The tuner is off unless ``S2_ATTENTION_AUTOTUNE``
+says otherwise: each kernel runs its first candidate once (the GPU tests check every candidate's results). With the
 tuner's timing launches the whole script under memcheck ran past 170-300 s; without them it took 98 s on an H100
 (2026-11-26, 0 errors)::
 
@@ -80,6 +80,7 @@ for dtype in (torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.flo
 if DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0):
     for size in ("small", "medium"):
         triton_impl._CANDIDATES[("fwd", size)] = triton_impl._WARP_SPECIALIZED_FWD
+        triton_impl._CANDIDATES[("dq", size)] = triton_impl._GLUON_DQ
     for pattern, t, d in [
         (S2Pattern(64, 2, 3), 77, 64),
         (S2Pattern(64, 2, 3, num_dense_heads=1), 300, 128),

@@ -40,11 +40,26 @@ from __future__ import annotations
 
 import torch
 
+from . import hopper_fwd
 from .hopper_fwd import AVAILABLE, MAXNREG
 from .sequence_bounds import sequence_bounds
 
 if AVAILABLE:
-    from .hopper_fwd import GluonTensorDescriptor, gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from .hopper_fwd import (
+        GluonTensorDescriptor,
+        copy_kv_steps,
+        gl,
+        gluon,
+        head_origin,
+        mbarrier,
+        partial_visible,
+        publish_work,
+        published_work,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+        work_item,
+    )
 
 BLOCK_N = 64  # keys per consumer warp group: wgmma's M (16 rows per warp, 4 warps)
 BLOCK_M = 64  # query rows per step: one list unit
@@ -54,6 +69,8 @@ BLOCK_M = 64  # query rows per step: one list unit
 # spills in the consumers' step loops at either split, and none at all at D = 64 (the loader spills ~50 bytes at
 # D = 128, outside the consumers' path).
 REGISTERS = {64: (208, 80), 128: (240, 24)}
+DQ_BLOCK_N = 64  # keys per dQ step: a step holds S and dP (32 registers each at 64 keys) beside dQ's accumulator
+DQ_REGISTERS = {64: (232, 40), 128: (240, 24)}  # as REGISTERS, for the dQ kernel
 
 if AVAILABLE:
 
@@ -79,12 +96,11 @@ if AVAILABLE:
         stride_qb, stride_qh, stride_qt, stride_gb, stride_gh, stride_gt = row_strides
         lse_log2, delta, stride_sb, stride_sh = stats_args
         q_head, list_base, _, _, num_entries = _member_list(member, kv_head, tile, has_keys, group_args)
-        q_offset = seq.to(gl.int64) * stride_qb + q_head.to(gl.int64) * stride_qh
-        do_offset = seq.to(gl.int64) * stride_gb + q_head.to(gl.int64) * stride_gh
+        q_row, q_col = head_origin(seq, q_head, stride_qb, stride_qh, stride_qt)
+        do_row, do_col = head_origin(seq, q_head, stride_gb, stride_gh, stride_gt)
         stats_offset = seq.to(gl.int64) * stride_sb + q_head.to(gl.int64) * stride_sh + q_start
-        return (num_entries, list_base, (q_offset // stride_qt).to(gl.int32) + q_start,
-                (q_offset % stride_qt).to(gl.int32), (do_offset // stride_gt).to(gl.int32) + q_start,
-                (do_offset % stride_gt).to(gl.int32), lse_log2 + stats_offset, delta + stats_offset)
+        return (num_entries, list_base, q_row + q_start, q_col, do_row + q_start, do_col, lse_log2 + stats_offset,
+                delta + stats_offset)
 
     @gluon.jit
     def _skip_empty(cursor, kv_head, tile, has_keys, seq, q_start, group_args, row_strides, stats_args):
@@ -129,17 +145,15 @@ if AVAILABLE:
         pair, kv_head, seq, q_start, k_start, seqlen_k = tile_args
         stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt = kv_strides
         KEYS: gl.constexpr = k_desc.block_type.shape[0]
-        k_offset = seq.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh
-        v_offset = seq.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh
+        k_row, k_col = head_origin(seq, kv_head, stride_kb, stride_kh, stride_kt)
+        v_row, v_col = head_origin(seq, kv_head, stride_vb, stride_vh, stride_vt)
         for ring in gl.static_range(2):
             first_key = (2 * pair + ring) * KEYS
             if first_key < seqlen_k:
                 mbarrier.expect(kv_ready.index(ring), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [(k_offset // stride_kt).to(gl.int32) + k_start + first_key,
-                                                         (k_offset % stride_kt).to(gl.int32)], kv_ready.index(ring),
+                tma.async_copy_global_to_shared(k_desc, [k_row + k_start + first_key, k_col], kv_ready.index(ring),
                                                 k_smem.index(ring))
-                tma.async_copy_global_to_shared(v_desc, [(v_offset // stride_vt).to(gl.int32) + k_start + first_key,
-                                                         (v_offset % stride_vt).to(gl.int32)], kv_ready.index(ring),
+                tma.async_copy_global_to_shared(v_desc, [v_row + k_start + first_key, v_col], kv_ready.index(ring),
                                                 v_smem.index(ring))
         tile_0 = 2 * pair
         tile_1 = 2 * pair + 1
@@ -309,9 +323,218 @@ if AVAILABLE:
             [CONSUMER_REGISTERS, LOADER_REGISTERS],  # the default partition (consumer 0) gets what is left
         )
 
+    # ------------------------------------------------------------------------------------------------------- dQ
+    @gluon.jit
+    def _dq_load_partition(q_desc, do_desc, o_desc, k_desc, v_desc, q_smem, do_smem, o_smem, k_bufs, v_bufs, q_ready,
+                           q_free, k_ready, v_ready, kv_free, work_smem, work_counter, work_args, strides,
+                           TILE: gl.constexpr, IS_VARLEN: gl.constexpr):
+        """The forward's loader (``hopper_fwd._load_partition``) with the item's dO and O copied beside Q."""
+        (num_work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists, unit_bits,
+         unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, q_heads_per_kv) = work_args
+        (stride_qb, stride_qh, stride_qt, stride_gb, stride_gh, stride_gt, stride_ob, stride_oh, stride_ot,
+         stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt) = strides
+        ROWS: gl.constexpr = q_desc.block_type.shape[0]
+        step = 0  # ring steps loaded so far: slot and phase
+        iteration = 0
+        work = gl.program_id(0)  # the first item; later ones are claimed from the counter, in order
+        while work < num_work:
+            next_work = gl.num_programs(0) + gl.atomic_add(work_counter, 1, sem="relaxed")
+            seq, q_head, q_start, k_start, _, first_pos, tile_first, list_base, _, _, num_entries = work_item(
+                work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists,
+                unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, TILE,
+                IS_VARLEN)
+            first_row = q_start + tile_first - first_pos  # the tile's first row in its sequence's rows
+            q_row, q_col = head_origin(seq, q_head, stride_qb, stride_qh, stride_qt)
+            do_row, do_col = head_origin(seq, q_head, stride_gb, stride_gh, stride_gt)
+            o_row, o_col = head_origin(seq, q_head, stride_ob, stride_oh, stride_ot)
+            mbarrier.wait(q_free, (iteration & 1) ^ 1)
+            publish_work(work_smem, work)  # made visible to the consumers by q_ready's phase
+            mbarrier.expect(q_ready, 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                          + o_desc.block_type.nbytes))
+            for half in gl.static_range(2):
+                row = first_row + half * ROWS
+                tma.async_copy_global_to_shared(q_desc, [q_row + row, q_col], q_ready, q_smem.index(half))
+                tma.async_copy_global_to_shared(do_desc, [do_row + row, do_col], q_ready, do_smem.index(half))
+                tma.async_copy_global_to_shared(o_desc, [o_row + row, o_col], q_ready, o_smem.index(half))
+            kv_head = q_head // q_heads_per_kv
+            k_row, k_col = head_origin(seq, kv_head, stride_kb, stride_kh, stride_kt)
+            v_row, v_col = head_origin(seq, kv_head, stride_vb, stride_vh, stride_vt)
+            step = copy_kv_steps(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_free, step, list_base,
+                                  num_entries, k_row + k_start, k_col, v_row + k_start, v_col)
+            iteration += 1
+            work = next_work
+        mbarrier.wait(q_free, (iteration & 1) ^ 1)  # no more items: tell the consumers
+        publish_work(work_smem, num_work)
+        mbarrier.arrive(q_ready, count=1)
 
-def supported(q: torch.Tensor, k: torch.Tensor, causal: bool, block_size: int, same_tokens: bool) -> bool:
-    """Whether this kernel can run the call, given row views of q, dout, k and v (``triton_impl._row_view``)."""
+    @gluon.jit
+    def _dq_step(acc, q_tile, do_tile, k_bufs, v_bufs, k_ready, v_ready, kv_free, step, lse_init, delta_row, j,
+                 num_entries, list_base, bits_base, q_pos, block_in_tile, seqlen_k, qk_scale, MASKED: gl.constexpr,
+                 UNIT: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr):
+        """Accumulate ring step ``step``'s ``dS K`` (unscaled) into ``acc``: the tile's step ``j``, masked where
+        ``MASKED`` (its partial entries). S and dP are issued together; the exponentials run while dP does."""
+        NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
+        BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+        slot = step % NUM_BUFFERS
+        phase = (step // NUM_BUFFERS) & 1
+        mbarrier.wait(k_ready.index(slot), phase)
+        s = warpgroup_mma(q_tile, k_bufs.index(slot).permute((1, 0)), lse_init, is_async=True)  # S - lse / qk_scale
+        mbarrier.wait(v_ready.index(slot), phase)
+        dp = warpgroup_mma(do_tile, v_bufs.index(slot).permute((1, 0)), gl.zeros_like(lse_init), use_acc=False,
+                           is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        p = gl.exp2(s * qk_scale)  # [ROWS, BLOCK_N]
+        if MASKED:
+            p = gl.where(partial_visible(j, num_entries, list_base, bits_base, q_pos, block_in_tile, seqlen_k, UNIT,
+                                         BLOCK_N, s_layout), p, 0.0)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+        ds = p * (dp - delta_row[:, None])
+        acc = warpgroup_mma(gl.convert_layout(ds.to(k_bufs.dtype), a_layout), k_bufs.index(slot), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(kv_free.index(slot), count=1)
+        return acc
+
+    @gluon.jit
+    def _dq_compute_partition(consumer: gl.constexpr, q_smem, do_smem, o_smem, k_bufs, v_bufs, q_ready, q_free,
+                              k_ready, v_ready, kv_free, work_smem, work_args, out_args, scale, qk_scale,
+                              TILE: gl.constexpr, BLOCK_SIZE: gl.constexpr, UNIT: gl.constexpr,
+                              IS_VARLEN: gl.constexpr, HAS_DLSE: gl.constexpr):
+        """Consumer ``consumer`` (0 or 1): dQ of rows ``consumer * ROWS ...`` of each work item's query tile, and
+        those rows' statistics for the dK/dV kernel."""
+        (num_work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists, unit_bits,
+         unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, q_heads_per_kv) = work_args
+        (dq, lse, dlse, lse_log2, delta, stride_dqb, stride_dqh, stride_dqt, stride_lb, stride_lh, stride_lt,
+         stride_eb, stride_eh, stride_et, stride_sb, stride_sh) = out_args
+        ROWS: gl.constexpr = q_smem.type.shape[1]
+        HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+        BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+        GROUP: gl.constexpr = BLOCK_N // UNIT
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        rows_acc: gl.constexpr = gl.SliceLayout(1, acc_layout)
+        q_tile = q_smem.index(consumer)  # [ROWS, D] each
+        do_tile = do_smem.index(consumer)
+        o_tile = o_smem.index(consumer)
+        inv_qk_scale = 1.0 / qk_scale
+        step = 0  # ring steps consumed so far: slot and phase
+        iteration = 0
+        mbarrier.wait(q_ready, 0)
+        work = published_work(work_smem)
+        while work < num_work:
+            (seq, q_head, q_start, _, seqlen_k_seq, first_pos, tile_first, list_base, bits_base, num_full,
+             num_entries) = work_item(work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k,
+                                       unit_lists, unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct,
+                                       q_heads_per_pattern, TILE, IS_VARLEN)
+            q_pos = tile_first + consumer * ROWS + gl.arange(0, ROWS, layout=rows_s)  # [ROWS] absolute positions
+            block_in_tile = q_pos // BLOCK_SIZE - tile_first // BLOCK_SIZE  # bit index of each row's block
+            row_real = (q_pos >= first_pos) & (q_pos < seqlen_k_seq)
+            rows = (q_start + q_pos - first_pos).to(gl.int64)  # [ROWS] in the sequence's rows
+            # The rows' statistics (triton_impl._softmax_stats): lse in log2 units (+inf where the row is not real or
+            # saw no key, so p = 0) and delta = rowsum(dO * O) - dlse; stored for the dK/dV kernel.
+            lse_in = gl.load(lse + seq.to(gl.int64) * stride_lb + q_head.to(gl.int64) * stride_lh + rows * stride_lt,
+                             mask=row_real, other=-float("inf"))
+            lse_row = gl.where(lse_in == -float("inf"), float("inf"), lse_in * 1.4426950408889634)
+            products = o_tile.load(acc_layout).to(gl.float32) * do_tile.load(acc_layout).to(gl.float32)
+            delta_row = gl.convert_layout(gl.sum(products, 1), rows_s)
+            if HAS_DLSE:
+                dlse_head = dlse + seq.to(gl.int64) * stride_eb + q_head.to(gl.int64) * stride_eh
+                delta_row -= gl.load(dlse_head + rows * stride_et, mask=row_real, other=0.0)
+            stats_rows = seq.to(gl.int64) * stride_sb + q_head.to(gl.int64) * stride_sh + rows
+            gl.store(lse_log2 + stats_rows, lse_row, mask=row_real)
+            gl.store(delta + stats_rows, delta_row, mask=row_real)
+            # S's initial accumulator, so that lse takes no registers of its own while the products run
+            lse_init = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout) - (lse_row * inv_qk_scale)[:, None]
+            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+            for j in range(num_full // GROUP):
+                acc = _dq_step(acc, q_tile, do_tile, k_bufs, v_bufs, k_ready, v_ready, kv_free, step, lse_init,
+                               delta_row, j, num_entries, list_base, bits_base, q_pos, block_in_tile, seqlen_k_seq,
+                               qk_scale, False, UNIT, s_layout, a_layout)
+                step += 1
+            for j in range(num_full // GROUP, gl.cdiv(num_entries, GROUP)):
+                acc = _dq_step(acc, q_tile, do_tile, k_bufs, v_bufs, k_ready, v_ready, kv_free, step, lse_init,
+                               delta_row, j, num_entries, list_base, bits_base, q_pos, block_in_tile, seqlen_k_seq,
+                               qk_scale, True, UNIT, s_layout, a_layout)
+                step += 1
+            mbarrier.arrive(q_free, count=1)  # the loader may bring the next work item's Q, dO and O
+
+            dq_head = dq + seq.to(gl.int64) * stride_dqb + q_head.to(gl.int64) * stride_dqh
+            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+            gl.store(dq_head + gl.convert_layout(rows, rows_acc)[:, None] * stride_dqt + cols[None, :],
+                     (acc * scale).to(dq.dtype.element_ty), mask=gl.convert_layout(row_real, rows_acc)[:, None])
+            iteration += 1
+            mbarrier.wait(q_ready, iteration & 1)
+            work = published_work(work_smem)
+
+    @gluon.jit
+    def s2_attention_bwd_dq_ws_kernel(
+        q_desc, do_desc, o_desc, k_desc, v_desc,  # row descriptors: boxes [ROWS, D] x 3, [UNIT, D] x 2
+        lse, dlse, dq,  # [B, Hq, Tq] float32 (natural log; dlse read only when HAS_DLSE), [B, Hq, Tq, D]
+        lse_log2, delta,  # outputs for the dK/dV kernel: float32 [B, Hq, Tq] contiguous
+        unit_lists, unit_bits, unit_counts,  # the forward's lists for 2 * ROWS-row tiles and BLOCK_N-key steps
+        cu_seqlens_q, cu_seqlens_k,  # int32 [S + 1], read only when IS_VARLEN
+        work_counter,  # int32 [1], zero
+        stride_qb, stride_qh, stride_qt, stride_gb, stride_gh, stride_gt, stride_ob, stride_oh, stride_ot,
+        stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_dqb, stride_dqh, stride_dqt,
+        stride_lb, stride_lh, stride_lt, stride_eb, stride_eh, stride_et, stride_sb, stride_sh,
+        stride_up, stride_ut, stride_cp, stride_ct,
+        seqlen_q, seqlen_k, scale, qk_scale, q_heads_per_pattern, q_heads_per_kv, num_q_tiles, num_q_heads, num_work,
+        BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_DLSE: gl.constexpr,
+        NUM_BUFFERS: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr, LOADER_REGISTERS: gl.constexpr,
+    ):
+        """Persistent, with the forward's work items (``hopper_fwd.s2_attention_fwd_ws_kernel``): dQ of one query tile
+        of ``2 * ROWS`` rows per item, two consumers of ``ROWS`` rows sharing its K/V steps. ``qk_scale = scale *
+        log2(e)``."""
+        ROWS: gl.constexpr = q_desc.block_type.shape[0]
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+        UNIT: gl.constexpr = k_desc.block_type.shape[0]
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, ROWS, HEAD_DIM], do_desc.layout)
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2, ROWS, HEAD_DIM], o_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], v_desc.layout)
+        work_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+        kv_free = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready, count=1)
+        mbarrier.init(q_free, count=2)  # both consumers release Q, dO and O
+        for slot in gl.static_range(NUM_BUFFERS):
+            mbarrier.init(k_ready.index(slot), count=1)
+            mbarrier.init(v_ready.index(slot), count=1)
+            mbarrier.init(kv_free.index(slot), count=2)  # both consumers release a slot
+
+        work_args = (num_work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists,
+                     unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern,
+                     q_heads_per_kv)
+        out_args = (dq, lse, dlse, lse_log2, delta, stride_dqb, stride_dqh, stride_dqt, stride_lb, stride_lh,
+                    stride_lt, stride_eb, stride_eh, stride_et, stride_sb, stride_sh)
+        strides = (stride_qb, stride_qh, stride_qt, stride_gb, stride_gh, stride_gt, stride_ob, stride_oh, stride_ot,
+                   stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt)
+        gl.warp_specialize(
+            [
+                (_dq_compute_partition, (0, q_smem, do_smem, o_smem, k_bufs, v_bufs, q_ready, q_free, k_ready,
+                                         v_ready, kv_free, work_smem, work_args, out_args, scale, qk_scale, 2 * ROWS,
+                                         BLOCK_SIZE, UNIT, IS_VARLEN, HAS_DLSE)),
+                (_dq_compute_partition, (1, q_smem, do_smem, o_smem, k_bufs, v_bufs, q_ready, q_free, k_ready,
+                                         v_ready, kv_free, work_smem, work_args, out_args, scale, qk_scale, 2 * ROWS,
+                                         BLOCK_SIZE, UNIT, IS_VARLEN, HAS_DLSE)),
+                (_dq_load_partition, (q_desc, do_desc, o_desc, k_desc, v_desc, q_smem, do_smem, o_smem, k_bufs,
+                                      v_bufs, q_ready, q_free, k_ready, v_ready, kv_free, work_smem, work_counter,
+                                      work_args, strides, 2 * ROWS, IS_VARLEN)),
+            ],
+            [4, 1],
+            [CONSUMER_REGISTERS, LOADER_REGISTERS],
+        )
+
+
+def supported_dkdv(q: torch.Tensor, k: torch.Tensor, causal: bool, block_size: int, same_tokens: bool) -> bool:
+    """Whether the dK/dV kernel can run the call, given row views of q, dout, k and v (``triton_impl._row_view``)."""
     return (
         AVAILABLE and q.is_cuda and causal and same_tokens and q.dtype in (torch.float16, torch.bfloat16)
         and q.dtype == k.dtype and q.shape[-1] in (64, 128) and block_size >= BLOCK_M
@@ -343,4 +566,42 @@ def launch_dkdv(q, dout, k, v, lse_log2, delta, dk, dv, row_views, lists, proble
         BLOCK_SIZE=block_size, IS_VARLEN=problem.is_varlen, NUM_BUFFERS=num_buffers,
         CONSUMER_REGISTERS=REGISTERS[head_dim][0], LOADER_REGISTERS=REGISTERS[head_dim][1], num_warps=4,
         maxnreg=MAXNREG,
+    )
+
+
+def supported_dq(q: torch.Tensor, k: torch.Tensor, causal: bool, block_size: int) -> bool:
+    """Whether the dQ kernel can run the call, given row views of q, dout, out, k and v: where the Gluon forward can
+    (its work items and lists)."""
+    return hopper_fwd.supported(q, k, causal, block_size)
+
+
+def launch_dq(q, k, v, out, dout, lse, dlse, dq, lse_log2, delta, row_views, lists, problem, scale: float,
+              qk_scale: float, block_size: int, num_pattern_heads: int, num_buffers: int) -> None:
+    """Run the dQ kernel. ``row_views``: ``(shape, strides)`` of q, dout, out, k and v seen as rows; ``lists``: the
+    forward's lists for ``hopper_fwd.BLOCK_M``-row query tiles and ``DQ_BLOCK_N``-key units; ``lse_log2``, ``delta``:
+    contiguous ``[B, Hq, T]``, written."""
+    units, bits, counts = lists
+    gl_dtype = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
+    head_dim = q.shape[-1]
+    unit = min(block_size, DQ_BLOCK_N)  # keys per list entry: one TMA box
+    descriptors = []
+    for t, (shape, strides), rows in zip((q, dout, out, k, v), row_views,
+                                         (hopper_fwd.CONSUMER_ROWS,) * 3 + (unit, unit)):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
+        descriptors.append(GluonTensorDescriptor(t, shape, strides, [rows, head_dim], layout))
+    num_q_heads = q.shape[1]
+    num_q_tiles = problem.num_q_tiles(hopper_fwd.BLOCK_M)
+    num_work = num_q_tiles * num_q_heads * problem.num_seqs
+    stats_strides = (0 if problem.is_varlen else delta.stride(0), delta.stride(1))
+    s2_attention_bwd_dq_ws_kernel[(min(num_work, hopper_fwd._num_sms(q.device)),)](
+        *descriptors, lse, lse if dlse is None else dlse, dq, lse_log2, delta, units, bits, counts,
+        problem.cu_seqlens_q, problem.cu_seqlens_k, torch.zeros(1, dtype=torch.int32, device=q.device),
+        *problem.strides(q)[:3], *problem.strides(dout)[:3], *problem.strides(out)[:3], *problem.strides(k)[:3],
+        *problem.strides(v)[:3], *problem.strides(dq)[:3], *problem.strides(lse),
+        *problem.strides(lse if dlse is None else dlse), *stats_strides, *units.stride()[:2], *counts.stride()[:2],
+        q.shape[2], k.shape[2], scale, qk_scale, num_q_heads // num_pattern_heads, num_q_heads // k.shape[1],
+        num_q_tiles, num_q_heads, num_work,
+        BLOCK_SIZE=block_size, BLOCK_N=DQ_BLOCK_N, IS_VARLEN=problem.is_varlen, HAS_DLSE=dlse is not None,
+        NUM_BUFFERS=num_buffers, CONSUMER_REGISTERS=DQ_REGISTERS[head_dim][0],
+        LOADER_REGISTERS=DQ_REGISTERS[head_dim][1], num_warps=4, maxnreg=MAXNREG,
     )

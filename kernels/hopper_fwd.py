@@ -61,7 +61,7 @@ REGISTERS = {64: (232, 40), 128: (240, 24)}
 if AVAILABLE:
 
     @gluon.jit
-    def _work_item(work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists,
+    def work_item(work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists,
                    unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern,
                    TILE: gl.constexpr, IS_VARLEN: gl.constexpr):
         """Work item ``work`` (tiles fastest, then heads, then sequences; the latest, heaviest tile of a head first):
@@ -84,19 +84,48 @@ if AVAILABLE:
                 unit_bits + list_offset, num_full, num_entries)
 
     @gluon.jit
+    def head_origin(seq, head, stride_b, stride_h, stride_t):
+        """Where head ``head`` of batch row (or packed sequence) ``seq`` starts in a row descriptor's
+        ``[rows, stride_t]`` view (``triton_impl._row_view``): ``(row, column)``."""
+        offset = seq.to(gl.int64) * stride_b + head.to(gl.int64) * stride_h
+        return (offset // stride_t).to(gl.int32), (offset % stride_t).to(gl.int32)
+
+    @gluon.jit
+    def copy_kv_steps(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_free, step, list_base, num_entries,
+                       k_row, k_col, v_row, v_col):
+        """Copy a query tile's K and V into the ring, a step of ``GROUP = BLOCK_N // UNIT`` list entries per slot
+        (one box of ``UNIT`` rows each; a step's missing entries repeat the last one, which the consumers mask), each
+        slot once its consumers have released it. ``k_row``, ``v_row``: the sequence's first key in the views.
+        Returns ``step`` (ring steps loaded so far) past the tile's."""
+        NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
+        BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+        UNIT: gl.constexpr = k_desc.block_type.shape[0]
+        GROUP: gl.constexpr = BLOCK_N // UNIT
+        for j in range(gl.cdiv(num_entries, GROUP)):
+            slot = step % NUM_BUFFERS
+            # A fresh mbarrier counts as having completed the phase before 0, so first passes do not wait.
+            mbarrier.wait(kv_free.index(slot), ((step // NUM_BUFFERS) & 1) ^ 1)
+            mbarrier.expect(k_ready.index(slot), GROUP * k_desc.block_type.nbytes)
+            mbarrier.expect(v_ready.index(slot), GROUP * v_desc.block_type.nbytes)
+            for member in gl.static_range(GROUP):
+                first_key = gl.load(list_base + gl.minimum(j * GROUP + member, num_entries - 1)) * UNIT
+                tma.async_copy_global_to_shared(k_desc, [k_row + first_key, k_col], k_ready.index(slot),
+                                                k_bufs.index(slot).slice(member * UNIT, UNIT))
+                tma.async_copy_global_to_shared(v_desc, [v_row + first_key, v_col], v_ready.index(slot),
+                                                v_bufs.index(slot).slice(member * UNIT, UNIT))
+            step += 1
+        return step
+
+    @gluon.jit
     def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, kv_free,
                         work_smem, work_counter, work_args, strides, TILE: gl.constexpr, IS_VARLEN: gl.constexpr):
-        """Claim the work items and issue every TMA copy: per item its index (``_publish``, read by the consumers
+        """Claim the work items and issue every TMA copy: per item its index (``publish_work``, read by the consumers
         once Q has arrived) and Q's two halves, then per step the K and V of ``GROUP = BLOCK_N // UNIT`` list
         entries, one box of ``UNIT`` rows each, into a ring slot (a step's missing entries repeat the last one,
         which the consumers mask). After the last item, ``num_work`` as the index tells the consumers to stop."""
         (num_work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists, unit_bits,
          unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, q_heads_per_kv) = work_args
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt = strides
-        NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
-        BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
-        UNIT: gl.constexpr = k_desc.block_type.shape[0]
-        GROUP: gl.constexpr = BLOCK_N // UNIT
         ROWS: gl.constexpr = q_desc.block_type.shape[0]
         step = 0  # ring steps loaded so far: slot and phase
         iteration = 0
@@ -104,52 +133,36 @@ if AVAILABLE:
         while work < num_work:
             # Claimed now, used after this item's loads: the atomic's round trip hides behind them.
             next_work = gl.num_programs(0) + gl.atomic_add(work_counter, 1, sem="relaxed")
-            seq, q_head, q_start, k_start, _, first_pos, tile_first, list_base, _, _, num_entries = _work_item(
+            seq, q_head, q_start, k_start, _, first_pos, tile_first, list_base, _, _, num_entries = work_item(
                 work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists,
                 unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, TILE,
                 IS_VARLEN)
             kv_head = q_head // q_heads_per_kv
-            # Where the head's rows start in the row descriptors' [rows, stride_t] views.
-            q_offset = seq.to(gl.int64) * stride_qb + q_head.to(gl.int64) * stride_qh
-            k_offset = seq.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh
-            v_offset = seq.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh
-            q_row = (q_offset // stride_qt).to(gl.int32) + q_start + tile_first - first_pos
-            q_col = (q_offset % stride_qt).to(gl.int32)
-            k_row = (k_offset // stride_kt).to(gl.int32) + k_start
-            k_col = (k_offset % stride_kt).to(gl.int32)
-            v_row = (v_offset // stride_vt).to(gl.int32) + k_start
-            v_col = (v_offset % stride_vt).to(gl.int32)
+            q_row, q_col = head_origin(seq, q_head, stride_qb, stride_qh, stride_qt)
+            q_row += q_start + tile_first - first_pos
+            k_row, k_col = head_origin(seq, kv_head, stride_kb, stride_kh, stride_kt)
+            v_row, v_col = head_origin(seq, kv_head, stride_vb, stride_vh, stride_vt)
             # A fresh mbarrier counts as having completed the phase before 0, so first passes do not wait.
             mbarrier.wait(q_free, (iteration & 1) ^ 1)
-            _publish(work_smem, work)  # made visible to the consumers by q_ready's phase
+            publish_work(work_smem, work)  # made visible to the consumers by q_ready's phase
             mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_ready, q_smem.index(0))
             tma.async_copy_global_to_shared(q_desc, [q_row + ROWS, q_col], q_ready, q_smem.index(1))
-            for j in range(gl.cdiv(num_entries, GROUP)):
-                slot = step % NUM_BUFFERS
-                mbarrier.wait(kv_free.index(slot), ((step // NUM_BUFFERS) & 1) ^ 1)
-                mbarrier.expect(k_ready.index(slot), GROUP * k_desc.block_type.nbytes)
-                mbarrier.expect(v_ready.index(slot), GROUP * v_desc.block_type.nbytes)
-                for member in gl.static_range(GROUP):
-                    first_key = gl.load(list_base + gl.minimum(j * GROUP + member, num_entries - 1)) * UNIT
-                    tma.async_copy_global_to_shared(k_desc, [k_row + first_key, k_col], k_ready.index(slot),
-                                                    k_bufs.index(slot).slice(member * UNIT, UNIT))
-                    tma.async_copy_global_to_shared(v_desc, [v_row + first_key, v_col], v_ready.index(slot),
-                                                    v_bufs.index(slot).slice(member * UNIT, UNIT))
-                step += 1
+            step = copy_kv_steps(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_free, step, list_base,
+                                  num_entries, k_row + k_start, k_col, v_row + k_start, v_col)
             iteration += 1
             work = next_work
         mbarrier.wait(q_free, (iteration & 1) ^ 1)  # no more items: tell the consumers
-        _publish(work_smem, num_work)
+        publish_work(work_smem, num_work)
         mbarrier.arrive(q_ready, count=1)
 
     @gluon.jit
-    def _publish(work_smem, work):
+    def publish_work(work_smem, work):
         """Store work item index ``work`` for the consumers (all lanes of the loader's warp store the same value)."""
         work_smem.store(gl.full([1], work, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
 
     @gluon.jit
-    def _published(work_smem):
+    def published_work(work_smem):
         """The work item index the loader published (read by a 4-warp consumer after waiting for ``q_ready``)."""
         return gl.max(work_smem.load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
 
@@ -165,6 +178,25 @@ if AVAILABLE:
                              gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
 
     @gluon.jit
+    def partial_visible(j, num_entries, list_base, bits_base, q_pos, block_in_tile, seqlen_k, UNIT: gl.constexpr,
+                         BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+        """Which scores of step ``j`` (``[ROWS, BLOCK_N]``, rows at positions ``q_pos``) a partial step keeps: the
+        entries' keep bits for each row's block, causality, the key length; nothing of a missing entry."""
+        GROUP: gl.constexpr = BLOCK_N // UNIT
+        offs = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        k_pos = offs % UNIT
+        bits = gl.zeros([BLOCK_N], gl.int32, gl.SliceLayout(0, s_layout))
+        for member in gl.static_range(GROUP):
+            entry = j * GROUP + member
+            listed = entry < num_entries
+            unit = gl.load(list_base + entry, mask=listed, other=0)
+            entry_bits = gl.load(bits_base + entry, mask=listed, other=0)  # 0: an unlisted member sees nothing
+            k_pos += gl.where(offs // UNIT == member, unit * UNIT, 0)
+            bits = gl.where(offs // UNIT == member, entry_bits, bits)
+        kept = ((bits[None, :] >> block_in_tile[:, None]) & 1) != 0
+        return kept & (k_pos[None, :] <= q_pos[:, None]) & (k_pos < seqlen_k)[None, :]
+
+    @gluon.jit
     def _softmax_step(s, m_i, l_i, j, num_full, num_entries, list_base, bits_base, q_pos, block_in_tile, seqlen_k,
                       qk_scale, UNIT: gl.constexpr, s_layout: gl.constexpr):
         """Online softmax of step ``j``'s raw scores ``s [ROWS, BLOCK_N]``: ``(p, alpha, m, l)``, the maximum kept in
@@ -172,19 +204,8 @@ if AVAILABLE:
         BLOCK_N: gl.constexpr = s.type.shape[1]
         GROUP: gl.constexpr = BLOCK_N // UNIT
         if j * GROUP >= num_full:  # partial entries: keep bits, causality, key length, listed
-            offs = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            k_pos = offs % UNIT
-            bits = gl.zeros([BLOCK_N], gl.int32, gl.SliceLayout(0, s_layout))
-            for member in gl.static_range(GROUP):
-                entry = j * GROUP + member
-                listed = entry < num_entries
-                unit = gl.load(list_base + entry, mask=listed, other=0)
-                entry_bits = gl.load(bits_base + entry, mask=listed, other=0)  # 0: an unlisted member sees nothing
-                k_pos += gl.where(offs // UNIT == member, unit * UNIT, 0)
-                bits = gl.where(offs // UNIT == member, entry_bits, bits)
-            kept = ((bits[None, :] >> block_in_tile[:, None]) & 1) != 0
-            visible = kept & (k_pos[None, :] <= q_pos[:, None]) & (k_pos < seqlen_k)[None, :]
-            s = gl.where(visible, s, -float("inf"))
+            s = gl.where(partial_visible(j, num_entries, list_base, bits_base, q_pos, block_in_tile, seqlen_k, UNIT,
+                                          BLOCK_N, s_layout), s, -float("inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_scaled = gl.where(m_new == -float("inf"), 0.0, m_new * qk_scale)  # rows that saw nothing yet: no inf - inf
         alpha = gl.exp2(m_i * qk_scale - m_scaled)
@@ -220,10 +241,10 @@ if AVAILABLE:
         turn = 0  # matrix-product bursts issued so far
         iteration = 0
         mbarrier.wait(q_ready, 0)
-        work = _published(work_smem)
+        work = published_work(work_smem)
         while work < num_work:
             (seq, q_head, q_start, _, seqlen_k_seq, first_pos, tile_first, list_base, bits_base, num_full,
-             num_entries) = _work_item(work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k,
+             num_entries) = work_item(work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k,
                                        unit_lists, unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct,
                                        q_heads_per_pattern, TILE, IS_VARLEN)
             num_steps = gl.cdiv(num_entries, GROUP)
@@ -272,7 +293,7 @@ if AVAILABLE:
                      out_tile.to(out.dtype.element_ty), mask=gl.convert_layout(row_real, rows_o)[:, None])
             iteration += 1
             mbarrier.wait(q_ready, iteration & 1)
-            work = _published(work_smem)
+            work = published_work(work_smem)
 
     @gluon.jit
     def s2_attention_fwd_ws_kernel(
@@ -288,7 +309,7 @@ if AVAILABLE:
         CONSUMER_REGISTERS: gl.constexpr, LOADER_REGISTERS: gl.constexpr,
     ):
         """Persistent: program ``p`` runs work item ``p`` of ``num_work = num_q_tiles * Hq * (B or S)``
-        (``_work_item``), then the items it claims from ``work_counter`` (``P, P + 1, ...`` in claim order), so that
+        (``work_item``), then the items it claims from ``work_counter`` (``P, P + 1, ...`` in claim order), so that
         one item's epilogue overlaps the next one's loads. ``qk_scale = scale * log2(e)``; launched with 4 warps
         (consumer 0) plus the two worker partitions."""
         ROWS: gl.constexpr = q_desc.block_type.shape[0]

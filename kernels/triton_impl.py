@@ -5,8 +5,8 @@ Entry points: the launchers ``s2_attention_fwd`` and ``s2_attention_bwd``, per t
 (``interface.attention_op``, whose registered autograd calls ``s2::attention_backward``) -> ``s2_attention``;
 backward: ``s2_attention_bwd_dq_kernel`` (which also stores the rows' softmax statistics) and
 ``s2_attention_bwd_dkdv_kernel`` -> ``s2_attention_bwd``. On compute capability 9.0 the forward's tuner also times
-the warp-specialized Gluon forward (``hopper_fwd.py``, ``TileConfig.gluon``) and the dk/dv tuner the warp-specialized
-Gluon dk/dv (``hopper_bwd.py``); each runs where it wins.
+the warp-specialized Gluon forward (``hopper_fwd.py``, ``TileConfig.gluon``), and the dq and dk/dv tuners the
+warp-specialized Gluon dq and dk/dv (``hopper_bwd.py``); each runs where it wins.
 
 Kernel tiles are decoupled from the sparsity granularity ``block_size``:
 
@@ -641,8 +641,9 @@ class TileConfig:
     block_n: int  # key positions per tile (gathered in fwd/dq, resident in dk/dv)
     num_warps: int
     num_stages: int  # software-pipelining depth
-    # Hopper's warp-specialized Gluon kernel of this kind: the forward (hopper_fwd.py; block_m must be its BLOCK_M) or
-    # dk/dv (hopper_bwd.py; 64 x 64 tiles, two key tiles a program). num_stages is then its ring of buffers.
+    # Hopper's warp-specialized Gluon kernel of this kind: the forward (hopper_fwd.py; block_m must be its BLOCK_M), dq
+    # (hopper_bwd.py; the forward's BLOCK_M, DQ_BLOCK_N keys a step) or dk/dv (hopper_bwd.py; 64 x 64 tiles, two key
+    # tiles a program). num_stages is then its ring of buffers.
     gluon: bool = False
     group_split: int = 1  # dk/dv: programs sharing a GQA group's query heads (s2_attention_bwd_dkdv_kernel)
     max_registers: int | None = None  # per-thread register cap (ptxas maxnreg), so that more programs fit an SM
@@ -685,10 +686,13 @@ _WARP_SPECIALIZED_FWD = [TileConfig(hopper_fwd.BLOCK_M, 128, 4, 3, gluon=True)]
 # dk/dv with a GQA group's query heads shared out among 2 or 4 programs (s2_attention_bwd_dkdv_kernel), where the group
 # size allows: shortens the longest lists, those of early vertical blocks, at the cost of float32 partial sums.
 _GROUP_SPLIT_DKDV = [TileConfig(64, 64, 4, 2, group_split=split) for split in (2, 4)]
-# The warp-specialized Gluon dk/dv (hopper_bwd.py), where hopper_bwd.supported; a ring of 2 Q/dO slots per consumer
+# The warp-specialized Gluon dk/dv (hopper_bwd.py), where hopper_bwd.supported_dkdv; a ring of 2 Q/dO slots per consumer
 # (3 were no faster at D = 64 and do not fit D = 128's shared memory). H100, 2026-11-26: the backward 1.01-1.17x
 # faster than with the Triton 64 x 64 dk/dv tile at every shape of issue 9 with blocks >= 64 (bench/NOTES.md).
 _GLUON_DKDV = [TileConfig(64, 64, 4, 2, gluon=True)]
+# The warp-specialized Gluon dq (hopper_bwd.py), where hopper_bwd.supported_dq: the forward's work items (128-row query
+# tiles), 64-key steps, a ring of 2 or 3 K/V slots.
+_GLUON_DQ = [TileConfig(hopper_fwd.BLOCK_M, hopper_bwd.DQ_BLOCK_N, 4, stages, gluon=True) for stages in (2, 3)]
 # At D <= 64 the 4-warp forward and dq tiles need ~135 registers a thread, so 3 programs share an SM; capped at 128
 # (a few spills) 4 do, which hides more of each program's latency (softmax, loads) behind the others'. Likewise the
 # dk/dv tile: ~230-250 registers, 2 programs per SM; capped at 168 (~200 bytes of spills), 3. H100, 2026-11-25
@@ -702,8 +706,8 @@ _CANDIDATES = {
     ),
     ("fwd", "medium"): _configs((128, 64, 8), (128, 64, 4), (128, 128, 8), (64, 64, 4)) + _WARP_SPECIALIZED_FWD,
     ("fwd", "large"): _configs((64, 64, 4), (128, 64, 8), (64, 32, 4), (128, 32, 8)),
-    ("dq", "small"): _configs((128, 64, 8), (64, 64, 4), (128, 128, 8)) + _REGISTER_CAPPED_SMALL,
-    ("dq", "medium"): _configs((128, 64, 8), (64, 64, 4), (128, 32, 8), (64, 32, 4)),
+    ("dq", "small"): _configs((128, 64, 8), (64, 64, 4), (128, 128, 8)) + _REGISTER_CAPPED_SMALL + _GLUON_DQ,
+    ("dq", "medium"): _configs((128, 64, 8), (64, 64, 4), (128, 32, 8), (64, 32, 4)) + _GLUON_DQ,
     ("dq", "large"): _configs((64, 32, 4), (64, 64, 8), (32, 64, 4)),
     ("dkdv", "small"): (
         _configs((64, 128, 8), (64, 64, 4), (32, 128, 4)) + _GROUP_SPLIT_DKDV + _REGISTER_CAPPED_DKDV_SMALL
@@ -919,8 +923,19 @@ def s2_attention_bwd(
     tail_args = (seqlen_q, k.shape[2], *stats_strides, scale, scale * LOG2E,
                  num_q_heads // layout.num_pattern_heads, num_q_heads // num_kv_heads)
 
+    dq_row_views = tuple(_row_view(t) for t in (q, dout, out, k, v))
+    gluon_dq_ok = hopper_bwd.supported_dq(q, k, layout.causal, layout.block_size) and None not in dq_row_views
+
+    def usable_dq(config: TileConfig) -> bool:
+        return not config.gluon or gluon_dq_ok
+
     def launch_dq(config: TileConfig):
         units, bits, counts = _unit_lists(layout, config.block_m, config.block_n, resident_is_query=True)
+        if config.gluon:
+            hopper_bwd.launch_dq(q, k, v, out, dout, lse, dlse, dq, lse_log2, delta, dq_row_views,
+                                 (units, bits, counts), problem, scale, scale * LOG2E, layout.block_size,
+                                 layout.num_pattern_heads, config.num_stages)
+            return
         grid = (problem.num_q_tiles(config.block_m), num_q_heads, problem.num_seqs)
         k_desc, v_desc = _row_descriptors(_use_tma(layout, config.block_n, head_dim, q.device), config.block_n, k, v)
         s2_attention_bwd_dq_kernel[grid](
@@ -939,7 +954,7 @@ def s2_attention_bwd(
     same_tokens = varlen.equal_lengths if varlen is not None else seqlen_q == k.shape[2]
 
     dkdv_row_views = tuple(_row_view(t) for t in (q, dout, k, v))
-    gluon_dkdv_ok = (hopper_bwd.supported(q, k, layout.causal, layout.block_size, same_tokens)
+    gluon_dkdv_ok = (hopper_bwd.supported_dkdv(q, k, layout.causal, layout.block_size, same_tokens)
                      and None not in dkdv_row_views)
 
     def usable_dkdv(config: TileConfig) -> bool:  # (the group size is part of the tune key)
@@ -973,7 +988,7 @@ def s2_attention_bwd(
             dk.copy_(dk_out.sum(0))
             dv.copy_(dv_out.sum(0))
 
-    launch_dq(_pick_config("dq", problem.tune_key, head_dim, q.device, launch_dq))
+    launch_dq(_pick_config("dq", (*problem.tune_key, gluon_dq_ok), head_dim, q.device, launch_dq, usable_dq))
     launch_dkdv(_pick_config("dkdv", (*problem.tune_key, gluon_dkdv_ok), head_dim, q.device, launch_dkdv,
                              usable_dkdv))
     return dq, dk, dv

@@ -53,18 +53,20 @@ CASES = [  # batch, q heads, kv heads, T, D, block_size, local_blocks, vert_stri
 
 def _force_gluon_kernels(monkeypatch, head_dim: int, block_size: int) -> dict:
     """Make the Gluon kernels (what the tuner picks on an H100 at most shapes) the only candidates: the forward
-    (hopper_fwd.py), and for blocks >= 64 the dk/dv (hopper_bwd.py). Returns the lists their launches append to;
-    skips where the forward cannot run."""
+    (hopper_fwd.py) and dq, and for blocks >= 64 the dk/dv (hopper_bwd.py). Returns the lists their launches append
+    to; skips where the forward cannot run."""
     if torch.cuda.get_device_capability() != (9, 0) or block_size < 32:
         pytest.skip("the Gluon kernels are for compute capability 9.0 and blocks >= 32")
     size = "small" if head_dim <= 64 else "medium"
     monkeypatch.setitem(triton_impl._CANDIDATES, ("fwd", size), triton_impl._WARP_SPECIALIZED_FWD)
-    launches = {"forward": []}
+    monkeypatch.setitem(triton_impl._CANDIDATES, ("dq", size), triton_impl._GLUON_DQ[:1])
+    launches = {"forward": [], "dq": []}
     if block_size >= 64:
         monkeypatch.setitem(triton_impl._CANDIDATES, ("dkdv", size), triton_impl._GLUON_DKDV)
         launches["dk/dv"] = []
     monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})
     for name, module, function in (("forward", triton_impl.hopper_fwd, "launch"),
+                                   ("dq", triton_impl.hopper_bwd, "launch_dq"),
                                    ("dk/dv", triton_impl.hopper_bwd, "launch_dkdv")):
         if name in launches:
             run = getattr(module, function)
@@ -76,8 +78,8 @@ def _force_gluon_kernels(monkeypatch, head_dim: int, block_size: int) -> dict:
 @pytest.mark.parametrize("kernels", ["triton", "gluon"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-H{c[1]}/{c[2]}-T{c[3]}-D{c[4]}-bs{c[5]}")
 def test_matches_dkernel(monkeypatch, case, kernels):
-    """Our forward and backward against dkernel: the Triton kernels, or on compute capability 9.0 the Gluon forward
-    and (blocks >= 64) the Gluon dk/dv."""
+    """Our forward and backward against dkernel: the Triton kernels, or on compute capability 9.0 the Gluon forward,
+    dq and (blocks >= 64) dk/dv."""
     batch, q_heads, kv_heads, seqlen, head_dim, block_size, local_blocks, vert_stride = case
     launches = _force_gluon_kernels(monkeypatch, head_dim, block_size) if kernels == "gluon" else {}
     pattern = _pattern(block_size, local_blocks, vert_stride, q_heads)

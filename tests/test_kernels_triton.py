@@ -436,17 +436,70 @@ def test_gpu_warp_specialized_forward_varlen(monkeypatch, programs, config):
     _assert_close("lse", lse, exact_lse, low_lse, 2, ABS_FLOOR[torch.bfloat16])
 
 
-def _force_gluon_dkdv(monkeypatch, head_dim: int) -> list:
-    """Make the Gluon dk/dv (hopper_bwd.py) the only dk/dv candidate; returns the list its launches append to."""
+def _force_gluon_backward(monkeypatch, kind: str, head_dim: int, configs: list) -> list:
+    """Make ``configs`` (Gluon kernels of hopper_bwd.py) the only ``kind`` ("dq" or "dkdv") candidates; returns the
+    list their launches append to."""
     if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon dk/dv is for compute capability 9.0")
+        pytest.skip("the Gluon backward kernels are for compute capability 9.0")
     size = "small" if head_dim <= 64 else "medium"
-    monkeypatch.setitem(triton_impl._CANDIDATES, ("dkdv", size), triton_impl._GLUON_DKDV)
+    monkeypatch.setitem(triton_impl._CANDIDATES, (kind, size), configs)
     monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})
     launches = []
-    launch = triton_impl.hopper_bwd.launch_dkdv
-    monkeypatch.setattr(triton_impl.hopper_bwd, "launch_dkdv", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
+    launch = getattr(triton_impl.hopper_bwd, f"launch_{kind}")
+    monkeypatch.setattr(triton_impl.hopper_bwd, f"launch_{kind}",
+                        lambda *a, **kw: launches.append(1) or launch(*a, **kw))
     return launches
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", triton_impl._GLUON_DQ, ids=lambda c: f"{c.num_stages}-slots")
+@pytest.mark.parametrize("programs", [None, 3], ids=["one-per-sm", "3-programs"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", range(len(WARP_SPECIALIZED_CASES)))
+def test_gpu_gluon_dq(monkeypatch, case, dtype, programs, config):
+    """The Gluon dq (and the statistics it stores for dk/dv) against the float64 reference, on the Gluon forward's
+    cases: odd lengths, GQA, Tq < Tk, one pattern per query head, dense heads, the [B, T, H, D] projection output
+    behind a transpose, D = 64 and 128, blocks 32 (two list entries a step), 64 and 128; with 3 programs each runs
+    many work items in turn. Each ring size in turn; it must really run."""
+    shape, fields, memory = WARP_SPECIALIZED_CASES[case]
+    launches = _force_gluon_backward(monkeypatch, "dq", shape[-1], [config])
+    if programs is not None:
+        monkeypatch.setattr(triton_impl.hopper_fwd, "_num_sms", lambda device: programs)
+    check_against_reference(560 + case, shape, dtype, S2Pattern(**fields), memory=memory)
+    assert launches, "the Gluon dq did not run"
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_dq_without_lse_gradient(monkeypatch):
+    """Without ``return_lse`` no lse gradient reaches the backward (the kernel's other delta)."""
+    launches = _force_gluon_backward(monkeypatch, "dq", 128, triton_impl._GLUON_DQ[:1])
+    pattern = S2Pattern(block_size=64, local_blocks=3, vert_stride=4)
+    q, k, v, grad_out, _ = _make_inputs(570, 2, 4, 2, 1111, 1111, 128, torch.bfloat16)
+    grads = []
+    for fn, cast in ((lambda *t: s2_attention(*t, pattern, backend="triton"), lambda t: t),
+                     (lambda *t: naive_s2_attention(*t, pattern, dtype=torch.float64)[0], lambda t: t),
+                     (lambda *t: naive_s2_attention(*t, pattern, dtype=torch.bfloat16)[0], lambda t: t)):
+        leaves = [cast(t).detach().requires_grad_() for t in (q, k, v)]
+        grads.append(torch.autograd.grad((fn(*leaves) * grad_out).sum(), leaves))
+    assert launches, "the Gluon dq did not run"
+    for index, name in enumerate(("dq", "dk", "dv")):
+        _assert_close(name, grads[0][index], grads[1][index], grads[2][index], 3, ABS_FLOOR[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [None, 2], ids=["one-per-sm", "2-programs"])
+def test_gpu_gluon_dq_varlen(monkeypatch, programs):
+    """Packed sequences (an empty one, one shorter than a tile) through the Gluon dq: a tile's rows past its
+    sequence's end read the next sequence's, which must not leak into its gradients."""
+    launches = _force_gluon_backward(monkeypatch, "dq", 128, triton_impl._GLUON_DQ[:1])
+    if programs is not None:
+        monkeypatch.setattr(triton_impl.hopper_fwd, "_num_sms", lambda device: programs)
+    lens = [1000, 0, 1, 2047, 700]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    pattern = S2Pattern(block_size=64, local_blocks=4, vert_stride=8)
+    check_against_reference(571, (1, 8, 2, sum(lens), sum(lens), 128), torch.bfloat16, pattern,
+                            cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert launches, "the Gluon dq did not run"
 
 
 # The Gluon forward's cases that the Gluon dk/dv takes: queries that are the keys' tokens, blocks >= 64.
@@ -465,7 +518,7 @@ def test_gpu_gluon_dkdv(monkeypatch, case, dtype):
     behind a transpose, D = 64 and 128, blocks 64 and 128; it must really run."""
     shape, fields, memory = GLUON_DKDV_CASES[case]
     assert len(GLUON_DKDV_CASES) == 4
-    launches = _force_gluon_dkdv(monkeypatch, shape[-1])
+    launches = _force_gluon_backward(monkeypatch, "dkdv", shape[-1], triton_impl._GLUON_DKDV)
     check_against_reference(540 + case, shape, dtype, S2Pattern(**fields), memory=memory)
     assert launches, "the Gluon dk/dv did not run"
 
@@ -474,7 +527,7 @@ def test_gpu_gluon_dkdv(monkeypatch, case, dtype):
 def test_gpu_gluon_dkdv_varlen(monkeypatch):
     """Packed sequences (an empty one, one shorter than a tile, ends inside a query unit) through the Gluon dk/dv:
     a sequence's rows past its end read the next sequence's, which must not leak into its gradients."""
-    launches = _force_gluon_dkdv(monkeypatch, 128)
+    launches = _force_gluon_backward(monkeypatch, "dkdv", 128, triton_impl._GLUON_DKDV)
     lens = [1000, 0, 1, 2047, 700]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     pattern = S2Pattern(block_size=64, local_blocks=4, vert_stride=8)

@@ -1,0 +1,111 @@
+"""The backward with its dq or its dk/dv kernel forced, alternated in one process (GPU): the tuner's best Triton tile
+against the warp-specialized Gluon kernels (``kernels/hopper_bwd.py``).
+
+``--kernel dq`` or ``dkdv`` picks the kernel under test; the other one is the tuner's pick in every arm, so the arms
+differ only by the kernel under test. The ``triton`` arm is the tile the tuner picks when the Gluon kernel is not
+among its candidates (found first, by tuning with it reported unsupported). Each round times every arm once
+(``triton.testing.do_bench``, median); the JSON keeps every round, and the largest difference of the arms' gradients
+from the first arm's, relative to its largest magnitude::
+
+    python bench/backward_ab.py --kernel dq --rounds 3 --out $OUT/dq_ab.json
+"""
+
+import argparse
+import json
+
+import torch
+import triton
+from tile_candidates import attention_inputs
+
+from s2_models.kernels import S2Pattern, hopper_bwd, triton_impl
+from s2_models.kernels.layouts import BlockLayout
+
+# Per kernel: hopper_bwd's test of whether the Gluon kernel runs a call, and the Gluon arms.
+SUPPORTED = {"dq": "supported_dq", "dkdv": "supported_dkdv"}
+GLUON_ARMS = {
+    "dq": {f"gluon-{c.num_stages}-slots": c for c in triton_impl._GLUON_DQ},
+    "dkdv": {"gluon": triton_impl._GLUON_DKDV[0]},
+}
+# name, (B, Hq, Hkv, T, D), (block_size, local_blocks, vert_stride), q/k/v as the model's [B, T, H, D] projections
+SHAPES = [
+    ("block 64, 16 x 8192", (16, 32, 32, 8192, 128), (64, 16, 16), False),
+    ("block 64, 4 x 32768", (4, 32, 32, 32768, 128), (64, 16, 16), False),
+    ("block 64, 1 x 131072", (1, 32, 32, 131072, 128), (64, 16, 16), False),
+    ("block 32, 8 x 16384", (8, 32, 32, 16384, 128), (32, 32, 16), False),
+    ("block 128, 8 x 16384", (8, 32, 32, 16384, 128), (128, 8, 16), False),
+    ("D=64, 4 x 32768", (4, 32, 32, 32768, 64), (64, 16, 16), False),
+    ("GQA 32/8, 4 x 32768", (4, 32, 8, 32768, 128), (64, 16, 16), False),
+    ("GQA 32/8, D=64, 8 x 16384", (8, 32, 8, 16384, 64), (64, 16, 16), False),
+    ("1B model, 1 x 32768", (1, 32, 8, 32768, 64), (64, 16, 16), True),
+]
+
+
+def measure(kind, shape, pattern_fields, model_layout, arms, rounds) -> dict:
+    """One shape: every arm's backward, ``rounds`` times alternated, and its gradients against the first arm's."""
+    batch, q_heads, kv_heads, seqlen, head_dim = shape
+    block_size, local_blocks, vert_stride = pattern_fields
+    q, k, v, grad = attention_inputs(*shape, model_layout)
+    pattern = S2Pattern(block_size=block_size, local_blocks=local_blocks, vert_stride=vert_stride,
+                        head_sliding_offset=0)
+    num_blocks = -(-seqlen // block_size)
+    block_mask = pattern.block_mask(pattern.num_pattern_heads(q_heads, kv_heads), num_blocks, num_blocks)
+    layout = BlockLayout(block_mask.cuda(), block_size, True, None)
+    scale = head_dim ** -0.5
+    out, lse = triton_impl.s2_attention_fwd(q, k, v, layout, scale, None)
+    tune_key = triton_impl._problem(q, k, layout, None).tune_key
+
+    def backward():
+        return triton_impl.s2_attention_bwd(q, k, v, out, lse, grad, None, layout, scale, None)
+
+    supported = getattr(hopper_bwd, SUPPORTED[kind])
+    setattr(hopper_bwd, SUPPORTED[kind], lambda *args: False)
+    try:  # the tuner's best Triton tile for this call
+        backward()
+    finally:
+        setattr(hopper_bwd, SUPPORTED[kind], supported)
+    configs = {"triton": triton_impl._TUNED_CONFIGS[(kind, *tune_key, False)], **GLUON_ARMS[kind]}
+    key = (kind, *tune_key, True)  # the tuner's cache entry for the call, set to each arm in turn
+
+    def run(arm):
+        triton_impl._TUNED_CONFIGS[key] = configs[arm]
+        return backward()
+
+    grads = {arm: run(arm) for arm in arms}  # compiles each arm, tunes the other kernel
+    first = grads[arms[0]]
+    errors = {arm: [float((g.float() - f.float()).abs().max() / f.float().abs().max()) for g, f in
+                    zip(grads[arm], first)] for arm in arms}
+    times = {arm: [] for arm in arms}
+    for _ in range(rounds):
+        for arm in arms:
+            times[arm].append(triton.testing.do_bench(lambda a=arm: run(a), warmup=5, rep=200, return_mode="median"))
+    medians = {arm: sorted(t)[len(t) // 2] for arm, t in times.items()}
+    return {"configs": {arm: repr(configs[arm]) for arm in arms}, "rounds_ms": times, "median_ms": medians,
+            "dq_dk_dv_rel_diff": errors}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernel", choices=sorted(SUPPORTED), required=True)
+    parser.add_argument("--arms", help="comma-separated (default: triton and every Gluon arm of the kernel)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", default="", help="run the shapes whose name contains this")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    arms = args.arms.split(",") if args.arms else ["triton", *GLUON_ARMS[args.kernel]]
+    results = {"gpu": torch.cuda.get_device_name(), "kernel": args.kernel, "arms": arms, "shapes": {}}
+    for name, shape, pattern_fields, model_layout in SHAPES:
+        if args.only not in name:
+            continue
+        row = measure(args.kernel, shape, pattern_fields, model_layout, arms, args.rounds)
+        results["shapes"][name] = row
+        medians = row["median_ms"]
+        print(name, {arm: round(ms, 3) for arm, ms in medians.items()},
+              {arm: round(medians[arms[0]] / ms, 3) for arm, ms in medians.items()}, row["dq_dk_dv_rel_diff"],
+              row["configs"]["triton"], flush=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
