@@ -691,8 +691,10 @@ _GROUP_SPLIT_DKDV = [TileConfig(64, 64, 4, 2, group_split=split) for split in (2
 # faster than with the Triton 64 x 64 dk/dv tile at every shape of issue 9 with blocks >= 64 (bench/NOTES.md).
 _GLUON_DKDV = [TileConfig(64, 64, 4, 2, gluon=True)]
 # The warp-specialized Gluon dq (hopper_bwd.py), where hopper_bwd.supported_dq: the forward's work items (128-row query
-# tiles), 64-key steps, a ring of 2 or 3 K/V slots.
-_GLUON_DQ = [TileConfig(hopper_fwd.BLOCK_M, hopper_bwd.DQ_BLOCK_N, 4, stages, gluon=True) for stages in (2, 3)]
+# tiles), 64-key steps, a ring of 3 K/V slots. H100, 2026-11-26 (kernel times in the backward, five alternated
+# rounds): 1.16-1.50x the tuner's best Triton dq at D = 128 (the backward 1.06-1.12x), a tie at D = 64 and slower
+# with D = 64 GQA (which keeps the Triton tile); 2 slots were never faster (bench/NOTES.md).
+_GLUON_DQ = [TileConfig(hopper_fwd.BLOCK_M, hopper_bwd.DQ_BLOCK_N, 4, 3, gluon=True)]
 # At D <= 64 the 4-warp forward and dq tiles need ~135 registers a thread, so 3 programs share an SM; capped at 128
 # (a few spills) 4 do, which hides more of each program's latency (softmax, loads) behind the others'. Likewise the
 # dk/dv tile: ~230-250 registers, 2 programs per SM; capped at 168 (~200 bytes of spills), 3. H100, 2026-11-25

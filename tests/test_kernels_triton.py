@@ -452,17 +452,16 @@ def _force_gluon_backward(monkeypatch, kind: str, head_dim: int, configs: list) 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", triton_impl._GLUON_DQ, ids=lambda c: f"{c.num_stages}-slots")
 @pytest.mark.parametrize("programs", [None, 3], ids=["one-per-sm", "3-programs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", range(len(WARP_SPECIALIZED_CASES)))
-def test_gpu_gluon_dq(monkeypatch, case, dtype, programs, config):
+def test_gpu_gluon_dq(monkeypatch, case, dtype, programs):
     """The Gluon dq (and the statistics it stores for dk/dv) against the float64 reference, on the Gluon forward's
     cases: odd lengths, GQA, Tq < Tk, one pattern per query head, dense heads, the [B, T, H, D] projection output
     behind a transpose, D = 64 and 128, blocks 32 (two list entries a step), 64 and 128; with 3 programs each runs
-    many work items in turn. Each ring size in turn; it must really run."""
+    many work items in turn. It must really run."""
     shape, fields, memory = WARP_SPECIALIZED_CASES[case]
-    launches = _force_gluon_backward(monkeypatch, "dq", shape[-1], [config])
+    launches = _force_gluon_backward(monkeypatch, "dq", shape[-1], triton_impl._GLUON_DQ)
     if programs is not None:
         monkeypatch.setattr(triton_impl.hopper_fwd, "_num_sms", lambda device: programs)
     check_against_reference(560 + case, shape, dtype, S2Pattern(**fields), memory=memory)
@@ -472,7 +471,7 @@ def test_gpu_gluon_dq(monkeypatch, case, dtype, programs, config):
 @pytest.mark.gpu
 def test_gpu_gluon_dq_without_lse_gradient(monkeypatch):
     """Without ``return_lse`` no lse gradient reaches the backward (the kernel's other delta)."""
-    launches = _force_gluon_backward(monkeypatch, "dq", 128, triton_impl._GLUON_DQ[:1])
+    launches = _force_gluon_backward(monkeypatch, "dq", 128, triton_impl._GLUON_DQ)
     pattern = S2Pattern(block_size=64, local_blocks=3, vert_stride=4)
     q, k, v, grad_out, _ = _make_inputs(570, 2, 4, 2, 1111, 1111, 128, torch.bfloat16)
     grads = []
@@ -491,7 +490,7 @@ def test_gpu_gluon_dq_without_lse_gradient(monkeypatch):
 def test_gpu_gluon_dq_varlen(monkeypatch, programs):
     """Packed sequences (an empty one, one shorter than a tile) through the Gluon dq: a tile's rows past its
     sequence's end read the next sequence's, which must not leak into its gradients."""
-    launches = _force_gluon_backward(monkeypatch, "dq", 128, triton_impl._GLUON_DQ[:1])
+    launches = _force_gluon_backward(monkeypatch, "dq", 128, triton_impl._GLUON_DQ)
     if programs is not None:
         monkeypatch.setattr(triton_impl.hopper_fwd, "_num_sms", lambda device: programs)
     lens = [1000, 0, 1, 2047, 700]
