@@ -3,25 +3,30 @@ against the warp-specialized Gluon kernels (``kernels/hopper_bwd.py``).
 
 ``--kernel dq`` or ``dkdv`` picks the kernel under test; the other one is the tuner's pick in every arm, so the arms
 differ only by the kernel under test. The ``triton`` arm is the tile the tuner picks when the Gluon kernel is not
-among its candidates (found first, by tuning with it reported unsupported). Each round times every arm once
-(``triton.testing.do_bench``, median); the JSON keeps every round, and the largest difference of the arms' gradients
-from the first arm's, relative to its largest magnitude::
+among its candidates (found first, by tuning with it reported unsupported). Each round runs every arm's backward
+``RUNS_PER_ROUND`` times under the profiler and keeps the GPU's own kernel times: the kernel under test's, and all the
+backward's kernels together. (Timing whole backward calls with ``triton.testing.do_bench`` instead, the same arm
+varied by up to 10% from one round to the next on an H100, more than the arms differ; the kernel times did not.) The
+JSON keeps every round and the median, and the largest difference of the arms' gradients from the first arm's,
+relative to its largest magnitude::
 
-    python bench/backward_ab.py --kernel dq --rounds 3 --out $OUT/dq_ab.json
+    python bench/backward_ab.py --kernel dq --out $OUT/dq_ab.json
 """
 
 import argparse
 import json
 
 import torch
-import triton
 from tile_candidates import attention_inputs
 
 from s2_models.kernels import S2Pattern, hopper_bwd, triton_impl
 from s2_models.kernels.layouts import BlockLayout
 
-# Per kernel: hopper_bwd's test of whether the Gluon kernel runs a call, and the Gluon arms.
+# Per kernel: hopper_bwd's test of whether the Gluon kernel runs a call, the Gluon arms, and what the kernels' names
+# (Triton's and Gluon's) contain.
 SUPPORTED = {"dq": "supported_dq", "dkdv": "supported_dkdv"}
+KERNEL_NAMES = {"dq": "bwd_dq", "dkdv": "bwd_dkdv"}
+RUNS_PER_ROUND = 4
 GLUON_ARMS = {
     "dq": {f"gluon-{c.num_stages}-slots": c for c in triton_impl._GLUON_DQ},
     "dkdv": {"gluon": triton_impl._GLUON_DKDV[0]},
@@ -74,20 +79,39 @@ def measure(kind, shape, pattern_fields, model_layout, arms, rounds) -> dict:
     first = grads[arms[0]]
     errors = {arm: [float((g.float() - f.float()).abs().max() / f.float().abs().max()) for g, f in
                     zip(grads[arm], first)] for arm in arms}
-    times = {arm: [] for arm in arms}
+    kernel_ms = {arm: [] for arm in arms}
+    backward_ms = {arm: [] for arm in arms}
     for _ in range(rounds):
         for arm in arms:
-            times[arm].append(triton.testing.do_bench(lambda a=arm: run(a), warmup=5, rep=200, return_mode="median"))
-    medians = {arm: sorted(t)[len(t) // 2] for arm, t in times.items()}
-    return {"configs": {arm: repr(configs[arm]) for arm in arms}, "rounds_ms": times, "median_ms": medians,
-            "dq_dk_dv_rel_diff": errors}
+            kernel, total = kernel_times(lambda a=arm: run(a), KERNEL_NAMES[kind])
+            kernel_ms[arm].append(kernel)
+            backward_ms[arm].append(total)
+    median = lambda times: sorted(times)[len(times) // 2]  # noqa: E731
+    return {"configs": {arm: repr(configs[arm]) for arm in arms}, "kernel_ms": kernel_ms, "backward_ms": backward_ms,
+            "kernel_median_ms": {arm: median(t) for arm, t in kernel_ms.items()},
+            "backward_median_ms": {arm: median(t) for arm, t in backward_ms.items()}, "dq_dk_dv_rel_diff": errors}
+
+
+def kernel_times(backward, name: str) -> tuple[float, float]:
+    """``RUNS_PER_ROUND`` backward calls under the profiler: the mean ms of the kernels whose name contains
+    ``name``, and of all the GPU's kernels a call."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        for _ in range(RUNS_PER_ROUND):
+            backward()
+        torch.cuda.synchronize()
+    kernels = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    matching = [e.device_time_total for e in kernels if name in e.name]
+    if not matching:
+        raise RuntimeError(f"no kernel named *{name}* ran")
+    return sum(matching) / len(matching) / 1e3, sum(e.device_time_total for e in kernels) / RUNS_PER_ROUND / 1e3
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernel", choices=sorted(SUPPORTED), required=True)
     parser.add_argument("--arms", help="comma-separated (default: triton and every Gluon arm of the kernel)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--only", default="", help="run the shapes whose name contains this")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -98,9 +122,10 @@ def main():
             continue
         row = measure(args.kernel, shape, pattern_fields, model_layout, arms, args.rounds)
         results["shapes"][name] = row
-        medians = row["median_ms"]
-        print(name, {arm: round(ms, 3) for arm, ms in medians.items()},
-              {arm: round(medians[arms[0]] / ms, 3) for arm, ms in medians.items()}, row["dq_dk_dv_rel_diff"],
+        kernel, backward = row["kernel_median_ms"], row["backward_median_ms"]
+        print(name, args.kernel, {arm: round(ms, 3) for arm, ms in kernel.items()},
+              "backward", {arm: round(ms, 2) for arm, ms in backward.items()},
+              {arm: round(backward[arms[0]] / ms, 3) for arm, ms in backward.items()}, row["dq_dk_dv_rel_diff"],
               row["configs"]["triton"], flush=True)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,4 +1,4 @@
-"""Warp-specialized S2-Attention dK/dV for Hopper (sm_90), written in Gluon.
+"""Warp-specialized S2-Attention backward kernels for Hopper (sm_90), written in Gluon: dK/dV, then dQ.
 
 Why a second dK/dV kernel: the Triton one (``triton_impl.s2_attention_bwd_dkdv_kernel``) is the largest kernel of the
 backward. Triton 3.6 waits for every matrix product that is not a loop-carried accumulator right after issuing it
@@ -34,6 +34,19 @@ computed and not stored. Everything else stays on the Triton kernel, and the tun
 (on an H100, forced: the backward 1.01-1.17x at every shape of issue 9 with blocks >= 64; in the tuner's short
 timings dk/dv 1.03-1.26x at D = 128 and a tie with the register-capped Triton tile at D = 64: bench/NOTES.md).
 Deterministic, as the Triton kernel: each key tile's sums run in one consumer, in list order.
+
+dQ (``s2_attention_bwd_dq_ws_kernel``, launched before dK/dV): the Gluon forward's structure (``hopper_fwd``: one
+persistent program per SM, work items of ``hopper_fwd.BLOCK_M = 128`` query rows claimed in order from a counter, the
+same lists, its loader's K/V ring steps), with each item's Q, dO and O copied beside each other, and a consumer step of
+
+    S = Q K^T (lse as the initial accumulator) and dP = dO V^T issued together
+    wait for S only; P = exp2(S * scale) (masked on partial steps)
+    wait for dP; dS = P (dP - delta); dQ += dS K, then the slot is released
+
+Each of the two consumers (64 rows) first stores its rows' lse (log2 units) and delta = rowsum(dO O) - dlse for the
+dK/dV kernel, as ``triton_impl.s2_attention_bwd_dq_kernel`` does. Scope (``supported_dq``): the Gluon forward's. On an
+H100 the kernel alone runs 1.16-1.50x the best Triton dq at D = 128 and ties or loses at D = 64 (bench/NOTES.md),
+where the tuner keeps the Triton tile. Deterministic: each row's sums run in one consumer, in list order.
 """
 
 from __future__ import annotations
