@@ -325,12 +325,19 @@ def test_gpu_matches_reference(case, dtype):
     check_against_reference(200 + case, shape, dtype, pattern)
 
 
+# Packed sequences of the GPU varlen tests: an empty one, a one-token one, ends inside tiles and query units.
+PACKED_LENGTHS = [1000, 0, 1, 2047, 700]
+
+
+def _packed_cu_seqlens() -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(PACKED_LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+
+
 @pytest.mark.gpu
 def test_gpu_varlen_bf16():
-    lens = [1000, 0, 1, 2047, 700]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu = _packed_cu_seqlens()
     pattern = S2Pattern(block_size=32, local_blocks=4, vert_stride=8)
-    check_against_reference(300, (1, 8, 2, sum(lens), sum(lens), 128), torch.bfloat16, pattern,
+    check_against_reference(300, (1, 8, 2, sum(PACKED_LENGTHS), sum(PACKED_LENGTHS), 128), torch.bfloat16, pattern,
                             cu_seqlens_q=cu, cu_seqlens_k=cu)
 
 
@@ -425,10 +432,9 @@ def test_gpu_warp_specialized_forward_varlen(monkeypatch, programs, config):
     monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})
     if programs is not None:
         monkeypatch.setattr(triton_impl.hopper_fwd, "_num_sms", lambda device: programs)
-    lens = [1000, 0, 1, 2047, 700]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu = _packed_cu_seqlens()
     pattern = S2Pattern(block_size=64, local_blocks=4, vert_stride=8)
-    q, k, v, _, _ = _make_inputs(510, 1, 8, 2, sum(lens), sum(lens), 128, torch.bfloat16)
+    q, k, v, _, _ = _make_inputs(510, 1, 8, 2, sum(PACKED_LENGTHS), sum(PACKED_LENGTHS), 128, torch.bfloat16)
     out, lse = s2_attention(q, k, v, pattern, backend="triton", return_lse=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
     exact_out, exact_lse = naive_s2_attention(q, k, v, pattern, dtype=torch.float64, cu_seqlens_q=cu, cu_seqlens_k=cu)
     low_out, low_lse = naive_s2_attention(q, k, v, pattern, dtype=torch.bfloat16, cu_seqlens_q=cu, cu_seqlens_k=cu)
@@ -493,10 +499,9 @@ def test_gpu_gluon_dq_varlen(monkeypatch, programs):
     launches = _force_gluon_backward(monkeypatch, "dq", 128, triton_impl._GLUON_DQ)
     if programs is not None:
         monkeypatch.setattr(triton_impl.hopper_fwd, "_num_sms", lambda device: programs)
-    lens = [1000, 0, 1, 2047, 700]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu = _packed_cu_seqlens()
     pattern = S2Pattern(block_size=64, local_blocks=4, vert_stride=8)
-    check_against_reference(571, (1, 8, 2, sum(lens), sum(lens), 128), torch.bfloat16, pattern,
+    check_against_reference(571, (1, 8, 2, sum(PACKED_LENGTHS), sum(PACKED_LENGTHS), 128), torch.bfloat16, pattern,
                             cu_seqlens_q=cu, cu_seqlens_k=cu)
     assert launches, "the Gluon dq did not run"
 
@@ -527,10 +532,9 @@ def test_gpu_gluon_dkdv_varlen(monkeypatch):
     """Packed sequences (an empty one, one shorter than a tile, ends inside a query unit) through the Gluon dk/dv:
     a sequence's rows past its end read the next sequence's, which must not leak into its gradients."""
     launches = _force_gluon_backward(monkeypatch, "dkdv", 128, triton_impl._GLUON_DKDV)
-    lens = [1000, 0, 1, 2047, 700]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu = _packed_cu_seqlens()
     pattern = S2Pattern(block_size=64, local_blocks=4, vert_stride=8)
-    check_against_reference(550, (1, 8, 2, sum(lens), sum(lens), 128), torch.bfloat16, pattern,
+    check_against_reference(550, (1, 8, 2, sum(PACKED_LENGTHS), sum(PACKED_LENGTHS), 128), torch.bfloat16, pattern,
                             cu_seqlens_q=cu, cu_seqlens_k=cu)
     assert launches, "the Gluon dk/dv did not run"
 
@@ -559,11 +563,10 @@ def test_gpu_dkdv_group_split(monkeypatch, case, dtype):
 @pytest.mark.gpu
 def test_gpu_dkdv_group_split_varlen(monkeypatch):
     """Packed sequences (an empty one, one shorter than a tile, ends inside a query unit) with split groups."""
-    lens = [1000, 0, 1, 2047, 700]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu = _packed_cu_seqlens()
     for config in triton_impl._GROUP_SPLIT_DKDV:
         monkeypatch.setitem(triton_impl._CANDIDATES, ("dkdv", "medium"), [config])
         monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})
         pattern = S2Pattern(block_size=64, local_blocks=4, vert_stride=8)
-        check_against_reference(530, (1, 8, 2, sum(lens), sum(lens), 128), torch.bfloat16, pattern,
+        check_against_reference(530, (1, 8, 2, sum(PACKED_LENGTHS), sum(PACKED_LENGTHS), 128), torch.bfloat16, pattern,
                                 cu_seqlens_q=cu, cu_seqlens_k=cu)
