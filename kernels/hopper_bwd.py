@@ -459,7 +459,8 @@ if AVAILABLE:
             stats_rows = seq.to(gl.int64) * stride_sb + q_head.to(gl.int64) * stride_sh + rows
             gl.store(lse_log2 + stats_rows, lse_row, mask=row_real)
             gl.store(delta + stats_rows, delta_row, mask=row_real)
-            # S's initial accumulator, so that lse takes no registers of its own while the products run
+            # S's initial accumulator: the products start from -lse / qk_scale, so a step's exponent is one multiply
+            # (the tile stays live through the item's steps: 32 registers, which the step loop has to spare)
             lse_init = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout) - (lse_row * inv_qk_scale)[:, None]
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
             for j in range(num_full // GROUP):
