@@ -60,13 +60,13 @@ from .sequence_bounds import sequence_bounds
 if AVAILABLE:
     from .hopper_fwd import (
         GluonTensorDescriptor,
-        copy_kv_steps,
+        consumer_rows,
         gl,
         gluon,
         head_origin,
+        load_partition,
         mbarrier,
         partial_visible,
-        publish_work,
         published_work,
         tma,
         warpgroup_mma,
@@ -338,49 +338,6 @@ if AVAILABLE:
 
     # ------------------------------------------------------------------------------------------------------- dQ
     @gluon.jit
-    def _dq_load_partition(q_desc, do_desc, o_desc, k_desc, v_desc, q_smem, do_smem, o_smem, k_bufs, v_bufs, q_ready,
-                           q_free, k_ready, v_ready, kv_free, work_smem, work_counter, work_args, strides,
-                           TILE: gl.constexpr, IS_VARLEN: gl.constexpr):
-        """The forward's loader (``hopper_fwd._load_partition``) with the item's dO and O copied beside Q."""
-        (num_work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists, unit_bits,
-         unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, q_heads_per_kv) = work_args
-        (stride_qb, stride_qh, stride_qt, stride_gb, stride_gh, stride_gt, stride_ob, stride_oh, stride_ot,
-         stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt) = strides
-        ROWS: gl.constexpr = q_desc.block_type.shape[0]
-        step = 0  # ring steps loaded so far: slot and phase
-        iteration = 0
-        work = gl.program_id(0)  # the first item; later ones are claimed from the counter, in order
-        while work < num_work:
-            next_work = gl.num_programs(0) + gl.atomic_add(work_counter, 1, sem="relaxed")
-            seq, q_head, q_start, k_start, _, first_pos, tile_first, list_base, _, _, num_entries = work_item(
-                work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists,
-                unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, TILE,
-                IS_VARLEN)
-            first_row = q_start + tile_first - first_pos  # the tile's first row in its sequence's rows
-            q_row, q_col = head_origin(seq, q_head, stride_qb, stride_qh, stride_qt)
-            do_row, do_col = head_origin(seq, q_head, stride_gb, stride_gh, stride_gt)
-            o_row, o_col = head_origin(seq, q_head, stride_ob, stride_oh, stride_ot)
-            mbarrier.wait(q_free, (iteration & 1) ^ 1)
-            publish_work(work_smem, work)  # made visible to the consumers by q_ready's phase
-            mbarrier.expect(q_ready, 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                                          + o_desc.block_type.nbytes))
-            for half in gl.static_range(2):
-                row = first_row + half * ROWS
-                tma.async_copy_global_to_shared(q_desc, [q_row + row, q_col], q_ready, q_smem.index(half))
-                tma.async_copy_global_to_shared(do_desc, [do_row + row, do_col], q_ready, do_smem.index(half))
-                tma.async_copy_global_to_shared(o_desc, [o_row + row, o_col], q_ready, o_smem.index(half))
-            kv_head = q_head // q_heads_per_kv
-            k_row, k_col = head_origin(seq, kv_head, stride_kb, stride_kh, stride_kt)
-            v_row, v_col = head_origin(seq, kv_head, stride_vb, stride_vh, stride_vt)
-            step = copy_kv_steps(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_free, step, list_base,
-                                  num_entries, k_row + k_start, k_col, v_row + k_start, v_col)
-            iteration += 1
-            work = next_work
-        mbarrier.wait(q_free, (iteration & 1) ^ 1)  # no more items: tell the consumers
-        publish_work(work_smem, num_work)
-        mbarrier.arrive(q_ready, count=1)
-
-    @gluon.jit
     def _dq_step(acc, q_tile, do_tile, k_bufs, v_bufs, k_ready, v_ready, kv_free, step, lse_init, delta_row, j,
                  num_entries, list_base, bits_base, q_pos, block_in_tile, seqlen_k, qk_scale, MASKED: gl.constexpr,
                  UNIT: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr):
@@ -414,8 +371,7 @@ if AVAILABLE:
                               IS_VARLEN: gl.constexpr, HAS_DLSE: gl.constexpr):
         """Consumer ``consumer`` (0 or 1): dQ of rows ``consumer * ROWS ...`` of each work item's query tile, and
         those rows' statistics for the dK/dV kernel."""
-        (num_work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists, unit_bits,
-         unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, q_heads_per_kv) = work_args
+        num_work = work_args[0]
         (dq, lse, dlse, lse_log2, delta, stride_dqb, stride_dqh, stride_dqt, stride_lb, stride_lh, stride_lt,
          stride_eb, stride_eh, stride_et, stride_sb, stride_sh) = out_args
         ROWS: gl.constexpr = q_smem.type.shape[1]
@@ -439,11 +395,8 @@ if AVAILABLE:
         work = published_work(work_smem)
         while work < num_work:
             (seq, q_head, q_start, _, seqlen_k_seq, first_pos, tile_first, list_base, bits_base, num_full,
-             num_entries) = work_item(work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k,
-                                       unit_lists, unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct,
-                                       q_heads_per_pattern, TILE, IS_VARLEN)
-            q_pos = tile_first + consumer * ROWS + gl.arange(0, ROWS, layout=rows_s)  # [ROWS] absolute positions
-            block_in_tile = q_pos // BLOCK_SIZE - tile_first // BLOCK_SIZE  # bit index of each row's block
+             num_entries) = work_item(work, work_args, TILE, IS_VARLEN)
+            q_pos, block_in_tile = consumer_rows(tile_first, consumer, ROWS, BLOCK_SIZE, rows_s)
             row_real = (q_pos >= first_pos) & (q_pos < seqlen_k_seq)
             rows = (q_start + q_pos - first_pos).to(gl.int64)  # [ROWS] in the sequence's rows
             # The rows' statistics (triton_impl._softmax_stats): lse in log2 units (+inf where the row is not real or
@@ -528,8 +481,9 @@ if AVAILABLE:
                      q_heads_per_kv)
         out_args = (dq, lse, dlse, lse_log2, delta, stride_dqb, stride_dqh, stride_dqt, stride_lb, stride_lh,
                     stride_lt, stride_eb, stride_eh, stride_et, stride_sb, stride_sh)
-        strides = (stride_qb, stride_qh, stride_qt, stride_gb, stride_gh, stride_gt, stride_ob, stride_oh, stride_ot,
-                   stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt)
+        row_strides = ((stride_qb, stride_qh, stride_qt), (stride_gb, stride_gh, stride_gt),
+                       (stride_ob, stride_oh, stride_ot))
+        kv_strides = (stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt)
         gl.warp_specialize(
             [
                 (_dq_compute_partition, (0, q_smem, do_smem, o_smem, k_bufs, v_bufs, q_ready, q_free, k_ready,
@@ -538,9 +492,9 @@ if AVAILABLE:
                 (_dq_compute_partition, (1, q_smem, do_smem, o_smem, k_bufs, v_bufs, q_ready, q_free, k_ready,
                                          v_ready, kv_free, work_smem, work_args, out_args, scale, qk_scale, 2 * ROWS,
                                          BLOCK_SIZE, UNIT, IS_VARLEN, HAS_DLSE)),
-                (_dq_load_partition, (q_desc, do_desc, o_desc, k_desc, v_desc, q_smem, do_smem, o_smem, k_bufs,
-                                      v_bufs, q_ready, q_free, k_ready, v_ready, kv_free, work_smem, work_counter,
-                                      work_args, strides, 2 * ROWS, IS_VARLEN)),
+                (load_partition, ((q_desc, do_desc, o_desc), (q_smem, do_smem, o_smem), row_strides, k_desc, v_desc,
+                                  k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, kv_free, work_smem, work_counter,
+                                  work_args, kv_strides, 2 * ROWS, IS_VARLEN)),
             ],
             [4, 1],
             [CONSUMER_REGISTERS, LOADER_REGISTERS],

@@ -61,11 +61,13 @@ REGISTERS = {64: (232, 40), 128: (240, 24)}
 if AVAILABLE:
 
     @gluon.jit
-    def work_item(work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists,
-                   unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern,
-                   TILE: gl.constexpr, IS_VARLEN: gl.constexpr):
+    def work_item(work, work_args, TILE: gl.constexpr, IS_VARLEN: gl.constexpr):
         """Work item ``work`` (tiles fastest, then heads, then sequences; the latest, heaviest tile of a head first):
-        its sequence, query head, where its sequence starts and ends, and its list."""
+        its sequence, query head, where its sequence starts and ends, and its list. ``work_args``: the kernel's
+        ``(num_work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists, unit_bits,
+        unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, q_heads_per_kv)``."""
+        (_, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists, unit_bits,
+         unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, _) = work_args
         tile_rank = work % num_q_tiles
         q_head = (work // num_q_tiles) % num_q_heads
         seq = work // (num_q_tiles * num_q_heads)
@@ -91,7 +93,7 @@ if AVAILABLE:
         return (offset // stride_t).to(gl.int32), (offset % stride_t).to(gl.int32)
 
     @gluon.jit
-    def copy_kv_steps(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_free, step, list_base, num_entries,
+    def _copy_kv_steps(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_free, step, list_base, num_entries,
                        k_row, k_col, v_row, v_col):
         """Copy a query tile's K and V into the ring, a step of ``GROUP = BLOCK_N // UNIT`` list entries per slot
         (one box of ``UNIT`` rows each; a step's missing entries repeat the last one, which the consumers mask), each
@@ -117,16 +119,18 @@ if AVAILABLE:
         return step
 
     @gluon.jit
-    def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, kv_free,
-                        work_smem, work_counter, work_args, strides, TILE: gl.constexpr, IS_VARLEN: gl.constexpr):
-        """Claim the work items and issue every TMA copy: per item its index (``publish_work``, read by the consumers
-        once Q has arrived) and Q's two halves, then per step the K and V of ``GROUP = BLOCK_N // UNIT`` list
-        entries, one box of ``UNIT`` rows each, into a ring slot (a step's missing entries repeat the last one,
-        which the consumers mask). After the last item, ``num_work`` as the index tells the consumers to stop."""
-        (num_work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists, unit_bits,
-         unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, q_heads_per_kv) = work_args
-        stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt = strides
-        ROWS: gl.constexpr = q_desc.block_type.shape[0]
+    def load_partition(row_descs, row_bufs, row_strides, k_desc, v_desc, k_bufs, v_bufs, q_ready, q_free, k_ready,
+                       v_ready, kv_free, work_smem, work_counter, work_args, kv_strides, TILE: gl.constexpr,
+                       IS_VARLEN: gl.constexpr):
+        """Claim the work items and issue every TMA copy: per item its index (``_publish_work``, read by the consumers
+        once the rows have arrived) and both consumers' halves of the query-side rows (``row_descs``, with
+        ``row_bufs [2, ROWS, D]`` and ``(batch, head, row)`` strides each: Q in the forward; Q, dO and O in the dq
+        kernel), then per step the K and V of ``GROUP = BLOCK_N // UNIT`` list entries (``_copy_kv_steps``). After
+        the last item, ``num_work`` as the index tells the consumers to stop."""
+        num_work = work_args[0]
+        q_heads_per_kv = work_args[15]
+        stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt = kv_strides
+        ROWS: gl.constexpr = row_descs[0].block_type.shape[0]
         step = 0  # ring steps loaded so far: slot and phase
         iteration = 0
         work = gl.program_id(0)  # the first item; later ones are claimed from the counter, in order
@@ -134,30 +138,30 @@ if AVAILABLE:
             # Claimed now, used after this item's loads: the atomic's round trip hides behind them.
             next_work = gl.num_programs(0) + gl.atomic_add(work_counter, 1, sem="relaxed")
             seq, q_head, q_start, k_start, _, first_pos, tile_first, list_base, _, _, num_entries = work_item(
-                work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists,
-                unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, TILE,
-                IS_VARLEN)
-            kv_head = q_head // q_heads_per_kv
-            q_row, q_col = head_origin(seq, q_head, stride_qb, stride_qh, stride_qt)
-            q_row += q_start + tile_first - first_pos
-            k_row, k_col = head_origin(seq, kv_head, stride_kb, stride_kh, stride_kt)
-            v_row, v_col = head_origin(seq, kv_head, stride_vb, stride_vh, stride_vt)
+                work, work_args, TILE, IS_VARLEN)
+            first_row = q_start + tile_first - first_pos  # the tile's first row in its sequence's rows
             # A fresh mbarrier counts as having completed the phase before 0, so first passes do not wait.
             mbarrier.wait(q_free, (iteration & 1) ^ 1)
-            publish_work(work_smem, work)  # made visible to the consumers by q_ready's phase
-            mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_ready, q_smem.index(0))
-            tma.async_copy_global_to_shared(q_desc, [q_row + ROWS, q_col], q_ready, q_smem.index(1))
-            step = copy_kv_steps(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_free, step, list_base,
+            _publish_work(work_smem, work)  # made visible to the consumers by q_ready's phase
+            mbarrier.expect(q_ready, 2 * len(row_descs) * row_descs[0].block_type.nbytes)
+            for t in gl.static_range(len(row_descs)):
+                row, col = head_origin(seq, q_head, row_strides[t][0], row_strides[t][1], row_strides[t][2])
+                for half in gl.static_range(2):
+                    tma.async_copy_global_to_shared(row_descs[t], [row + first_row + half * ROWS, col], q_ready,
+                                                    row_bufs[t].index(half))
+            kv_head = q_head // q_heads_per_kv
+            k_row, k_col = head_origin(seq, kv_head, stride_kb, stride_kh, stride_kt)
+            v_row, v_col = head_origin(seq, kv_head, stride_vb, stride_vh, stride_vt)
+            step = _copy_kv_steps(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_free, step, list_base,
                                   num_entries, k_row + k_start, k_col, v_row + k_start, v_col)
             iteration += 1
             work = next_work
         mbarrier.wait(q_free, (iteration & 1) ^ 1)  # no more items: tell the consumers
-        publish_work(work_smem, num_work)
+        _publish_work(work_smem, num_work)
         mbarrier.arrive(q_ready, count=1)
 
     @gluon.jit
-    def publish_work(work_smem, work):
+    def _publish_work(work_smem, work):
         """Store work item index ``work`` for the consumers (all lanes of the loader's warp store the same value)."""
         work_smem.store(gl.full([1], work, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
 
@@ -165,6 +169,14 @@ if AVAILABLE:
     def published_work(work_smem):
         """The work item index the loader published (read by a 4-warp consumer after waiting for ``q_ready``)."""
         return gl.max(work_smem.load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
+
+    @gluon.jit
+    def consumer_rows(tile_first, consumer: gl.constexpr, ROWS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                      layout: gl.constexpr):
+        """Consumer ``consumer``'s rows of the work item whose tile starts at ``tile_first``: their absolute positions
+        and each row's block in the tile (its bit in the lists' keep bits), ``[ROWS]`` each in ``layout``."""
+        q_pos = tile_first + consumer * ROWS + gl.arange(0, ROWS, layout=layout)
+        return q_pos, q_pos // BLOCK_SIZE - tile_first // BLOCK_SIZE
 
     @gluon.jit
     def _scores(q_tile, k_bufs, k_ready, step, s_layout: gl.constexpr):
@@ -221,8 +233,7 @@ if AVAILABLE:
         FlashAttention-3's order: each step issues the next step's ``Q K^T`` and this step's ``P V`` together, then
         computes the next step's softmax while they run; the two consumers take turns to issue (the ``turns``
         barriers), so that one's softmax overlaps the other's matrix products."""
-        (num_work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists, unit_bits,
-         unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, q_heads_per_kv) = work_args
+        num_work = work_args[0]
         out, lse, stride_ob, stride_oh, stride_ot, stride_lb, stride_lh, stride_lt = out_args
         ROWS: gl.constexpr = q_smem.type.shape[1]
         HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
@@ -244,12 +255,9 @@ if AVAILABLE:
         work = published_work(work_smem)
         while work < num_work:
             (seq, q_head, q_start, _, seqlen_k_seq, first_pos, tile_first, list_base, bits_base, num_full,
-             num_entries) = work_item(work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k,
-                                       unit_lists, unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct,
-                                       q_heads_per_pattern, TILE, IS_VARLEN)
+             num_entries) = work_item(work, work_args, TILE, IS_VARLEN)
             num_steps = gl.cdiv(num_entries, GROUP)
-            q_pos = tile_first + consumer * ROWS + gl.arange(0, ROWS, layout=rows_s)  # [ROWS] absolute positions
-            block_in_tile = q_pos // BLOCK_SIZE - tile_first // BLOCK_SIZE  # bit index of each row's block
+            q_pos, block_in_tile = consumer_rows(tile_first, consumer, ROWS, BLOCK_SIZE, rows_s)
             m_i = gl.full([ROWS], -float("inf"), gl.float32, rows_s)
             l_i = gl.zeros([ROWS], gl.float32, rows_s)
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
@@ -339,15 +347,16 @@ if AVAILABLE:
                      unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern,
                      q_heads_per_kv)
         out_args = (out, lse, stride_ob, stride_oh, stride_ot, stride_lb, stride_lh, stride_lt)
-        strides = (stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt)
+        kv_strides = (stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt)
         gl.warp_specialize(
             [
                 (_compute_partition, (0, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, kv_free, turns,
                                       work_smem, work_args, out_args, qk_scale, TILE, BLOCK_SIZE, UNIT, IS_VARLEN)),
                 (_compute_partition, (1, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, kv_free, turns,
                                       work_smem, work_args, out_args, qk_scale, TILE, BLOCK_SIZE, UNIT, IS_VARLEN)),
-                (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready,
-                                   kv_free, work_smem, work_counter, work_args, strides, TILE, IS_VARLEN)),
+                (load_partition, ((q_desc,), (q_smem,), ((stride_qb, stride_qh, stride_qt),), k_desc, v_desc, k_bufs,
+                                  v_bufs, q_ready, q_free, k_ready, v_ready, kv_free, work_smem, work_counter,
+                                  work_args, kv_strides, TILE, IS_VARLEN)),
             ],
             [4, 1],
             [CONSUMER_REGISTERS, LOADER_REGISTERS],  # the default partition (consumer 0) gets what is left
