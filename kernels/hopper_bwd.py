@@ -395,7 +395,7 @@ if AVAILABLE:
         work = published_work(work_smem)
         while work < num_work:
             (seq, q_head, q_start, _, seqlen_k_seq, first_pos, tile_first, list_base, bits_base, num_full,
-             num_entries) = work_item(work, work_args, TILE, IS_VARLEN)
+             num_entries, _) = work_item(work, work_args, TILE, IS_VARLEN, False)
             q_pos, block_in_tile = consumer_rows(tile_first, consumer, ROWS, BLOCK_SIZE, rows_s)
             row_real = (q_pos >= first_pos) & (q_pos < seqlen_k_seq)
             rows = (q_start + q_pos - first_pos).to(gl.int64)  # [ROWS] in the sequence's rows
@@ -494,7 +494,7 @@ if AVAILABLE:
                                          BLOCK_SIZE, UNIT, IS_VARLEN, HAS_DLSE)),
                 (load_partition, ((q_desc, do_desc, o_desc), (q_smem, do_smem, o_smem), row_strides, k_desc, v_desc,
                                   k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, kv_free, work_smem, work_counter,
-                                  work_args, kv_strides, 2 * ROWS, IS_VARLEN)),
+                                  work_args, kv_strides, 2 * ROWS, IS_VARLEN, False)),
             ],
             [4, 1],
             [CONSUMER_REGISTERS, LOADER_REGISTERS],

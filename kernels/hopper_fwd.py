@@ -10,7 +10,10 @@ barriers and the asynchronous ``wgmma`` are written out here in Gluon, Triton's 
 
 A work item = one query tile of ``BLOCK_M = 2 * CONSUMER_ROWS`` absolute positions of one head (Merge-Q, as the
 Triton forward), over the same lists (``triton_impl.build_unit_lists``): entries ``[0, num_full)`` unmasked, then the
-partial ones, masked with their keep bits, causality and the key length. The kernel is persistent: one program per
+partial ones, masked with their keep bits, causality and the key length. At blocks of 32 and 64 a tile's list starts,
+where it can, with a *split step* (``triton_impl.split_first_step``): half of it holds entries only the first
+consumer's rows keep, half entries only the second's, and each consumer computes its own half (64 keys), not the
+whole step (1.03-1.05x at 16 x 8192 and 4 x 32768 on an H100; bench/NOTES.md). The kernel is persistent: one program per
 SM runs work items in turn, so one item's epilogue overlaps the next one's loads. After its first, a program claims
 its next item from a counter, so the items in flight are always neighbours in the item order (the tiles of one or
 two heads, whose K and V blocks they share in L2); with items assigned round-robin, programs drift apart, and at
@@ -61,9 +64,11 @@ REGISTERS = {64: (232, 40), 128: (240, 24)}
 if AVAILABLE:
 
     @gluon.jit
-    def work_item(work, work_args, TILE: gl.constexpr, IS_VARLEN: gl.constexpr):
+    def work_item(work, work_args, TILE: gl.constexpr, IS_VARLEN: gl.constexpr, SPLIT_STEPS: gl.constexpr):
         """Work item ``work`` (tiles fastest, then heads, then sequences; the latest, heaviest tile of a head first):
-        its sequence, query head, where its sequence starts and ends, and its list. ``work_args``: the kernel's
+        its sequence, query head, where its sequence starts and ends, and its list (with ``SPLIT_STEPS``, lists from
+        ``triton_impl.split_first_step``, whose third count says whether a split step comes first; else that count
+        is 0). ``work_args``: the kernel's
         ``(num_work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists, unit_bits,
         unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, q_heads_per_kv)``."""
         (_, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists, unit_bits,
@@ -82,8 +87,11 @@ if AVAILABLE:
         has_rows = (seqlen_q > 0) & (tile * TILE < seqlen_k)
         num_full = gl.load(counts, mask=has_rows, other=0)
         num_entries = gl.load(counts + 1, mask=has_rows, other=0)
+        split = 0
+        if SPLIT_STEPS:
+            split = gl.load(counts + 2, mask=has_rows, other=0)
         return (seq, q_head, q_start, k_start, seqlen_k, first_pos, tile * TILE, unit_lists + list_offset,
-                unit_bits + list_offset, num_full, num_entries)
+                unit_bits + list_offset, num_full, num_entries, split)
 
     @gluon.jit
     def head_origin(seq, head, stride_b, stride_h, stride_t):
@@ -121,24 +129,26 @@ if AVAILABLE:
     @gluon.jit
     def load_partition(row_descs, row_bufs, row_strides, k_desc, v_desc, k_bufs, v_bufs, q_ready, q_free, k_ready,
                        v_ready, kv_free, work_smem, work_counter, work_args, kv_strides, TILE: gl.constexpr,
-                       IS_VARLEN: gl.constexpr):
+                       IS_VARLEN: gl.constexpr, SPLIT_STEPS: gl.constexpr):
         """Claim the work items and issue every TMA copy: per item its index (``_publish_work``, read by the consumers
         once the rows have arrived) and both consumers' halves of the query-side rows (``row_descs``, with
         ``row_bufs [2, ROWS, D]`` and ``(batch, head, row)`` strides each: Q in the forward; Q, dO and O in the dq
-        kernel), then per step the K and V of ``GROUP = BLOCK_N // UNIT`` list entries (``_copy_kv_steps``). After
-        the last item, ``num_work`` as the index tells the consumers to stop."""
+        kernel), then per step the K and V of ``GROUP = BLOCK_N // UNIT`` list entries (``_copy_kv_steps``), a split
+        step's first where the list has one (``SPLIT_STEPS``). After the last item, ``num_work`` as the index tells
+        the consumers to stop."""
         num_work = work_args[0]
         q_heads_per_kv = work_args[15]
         stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt = kv_strides
         ROWS: gl.constexpr = row_descs[0].block_type.shape[0]
+        GROUP: gl.constexpr = k_bufs.type.shape[1] // k_desc.block_type.shape[0]
         step = 0  # ring steps loaded so far: slot and phase
         iteration = 0
         work = gl.program_id(0)  # the first item; later ones are claimed from the counter, in order
         while work < num_work:
             # Claimed now, used after this item's loads: the atomic's round trip hides behind them.
             next_work = gl.num_programs(0) + gl.atomic_add(work_counter, 1, sem="relaxed")
-            seq, q_head, q_start, k_start, _, first_pos, tile_first, list_base, _, _, num_entries = work_item(
-                work, work_args, TILE, IS_VARLEN)
+            seq, q_head, q_start, k_start, _, first_pos, tile_first, list_base, _, _, num_entries, split = work_item(
+                work, work_args, TILE, IS_VARLEN, SPLIT_STEPS)
             first_row = q_start + tile_first - first_pos  # the tile's first row in its sequence's rows
             # A fresh mbarrier counts as having completed the phase before 0, so first passes do not wait.
             mbarrier.wait(q_free, (iteration & 1) ^ 1)
@@ -153,7 +163,7 @@ if AVAILABLE:
             k_row, k_col = head_origin(seq, kv_head, stride_kb, stride_kh, stride_kt)
             v_row, v_col = head_origin(seq, kv_head, stride_vb, stride_vh, stride_vt)
             step = _copy_kv_steps(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_free, step, list_base,
-                                  num_entries, k_row + k_start, k_col, v_row + k_start, v_col)
+                                  split * GROUP + num_entries, k_row + k_start, k_col, v_row + k_start, v_col)
             iteration += 1
             work = next_work
         mbarrier.wait(q_free, (iteration & 1) ^ 1)  # no more items: tell the consumers
@@ -247,6 +257,10 @@ if AVAILABLE:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        HALF: gl.constexpr = BLOCK_N // 2  # keys of a split step's half
+        half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, HALF, 16])
+        rows_half: gl.constexpr = gl.SliceLayout(1, half_layout)
         q_tile = q_smem.index(consumer)  # [ROWS, D]
         step = 0  # ring steps consumed so far: slot and phase
         turn = 0  # matrix-product bursts issued so far
@@ -254,17 +268,53 @@ if AVAILABLE:
         mbarrier.wait(q_ready, 0)
         work = published_work(work_smem)
         while work < num_work:
-            (seq, q_head, q_start, _, seqlen_k_seq, first_pos, tile_first, list_base, bits_base, num_full,
-             num_entries) = work_item(work, work_args, TILE, IS_VARLEN)
+            (seq, q_head, q_start, _, seqlen_k_seq, first_pos, tile_first, split_base, split_bits, num_full,
+             num_entries, split) = work_item(work, work_args, TILE, IS_VARLEN, True)
+            list_base = split_base + split * GROUP  # the regular entries, after the split step's
+            bits_base = split_bits + split * GROUP
             num_steps = gl.cdiv(num_entries, GROUP)
             q_pos, block_in_tile = consumer_rows(tile_first, consumer, ROWS, BLOCK_SIZE, rows_s)
             m_i = gl.full([ROWS], -float("inf"), gl.float32, rows_s)
             l_i = gl.zeros([ROWS], gl.float32, rows_s)
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
             if num_steps > 0:
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(q_tile, k_bufs, k_ready, step, s_layout),))
-                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, num_full, num_entries, list_base, bits_base, q_pos,
-                                                   block_in_tile, seqlen_k_seq, qk_scale, UNIT, s_layout)
+                if split != 0:
+                    # The split step: this consumer's half of the slot holds the entries only its rows keep (the
+                    # other half, the other consumer's). Its scores and the first regular step's are issued
+                    # together; its P V runs while the first regular softmax does.
+                    slot = step % NUM_BUFFERS
+                    phase = (step // NUM_BUFFERS) & 1
+                    mbarrier.wait(k_ready.index(slot), phase)
+                    s_half = warpgroup_mma(q_tile, k_bufs.index(slot).slice(consumer * HALF, HALF).permute((1, 0)),
+                                           gl.zeros([ROWS, HALF], gl.float32, half_layout), use_acc=False,
+                                           is_async=True)
+                    s = _scores(q_tile, k_bufs, k_ready, step + 1, s_layout)
+                    s_half = warpgroup_mma_wait(num_outstanding=1, deps=(s_half,))
+                    q_pos_half = gl.convert_layout(q_pos, rows_half)
+                    visible = partial_visible(consumer, GROUP, split_base, split_bits, q_pos_half,
+                                              gl.convert_layout(block_in_tile, rows_half), seqlen_k_seq, UNIT, HALF,
+                                              half_layout)
+                    s_half = gl.where(visible, s_half, -float("inf"))
+                    m_half = gl.max(s_half, 1)
+                    m_scaled = gl.where(m_half == -float("inf"), 0.0, m_half * qk_scale)
+                    p_half = gl.exp2(s_half * qk_scale - m_scaled[:, None])
+                    m_i = gl.convert_layout(m_half, rows_s)
+                    l_i = gl.convert_layout(gl.sum(p_half, 1), rows_s)
+                    mbarrier.wait(v_ready.index(slot), phase)
+                    acc = warpgroup_mma(gl.convert_layout(p_half.to(v_bufs.dtype), p_layout),
+                                        v_bufs.index(slot).slice(consumer * HALF, HALF), acc, use_acc=False,
+                                        is_async=True)
+                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+                    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, num_full, num_entries, list_base, bits_base,
+                                                       q_pos, block_in_tile, seqlen_k_seq, qk_scale, UNIT, s_layout)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    mbarrier.arrive(kv_free.index(slot), count=1)
+                    step += 1
+                else:
+                    s = warpgroup_mma_wait(num_outstanding=0,
+                                           deps=(_scores(q_tile, k_bufs, k_ready, step, s_layout),))
+                    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, num_full, num_entries, list_base, bits_base,
+                                                       q_pos, block_in_tile, seqlen_k_seq, qk_scale, UNIT, s_layout)
                 for j in range(num_steps):
                     # Consumer 0 goes first (a fresh barrier lets its first wait pass).
                     mbarrier.wait(turns.index(consumer), (turn & 1) ^ (1 - consumer))
@@ -307,7 +357,7 @@ if AVAILABLE:
     def s2_attention_fwd_ws_kernel(
         q_desc, k_desc, v_desc,  # row descriptors (triton_impl._row_view): boxes [ROWS, D], [BLOCK_N, D] x 2
         out, lse,  # [B, Hq, Tq, D], [B, Hq, Tq] float32
-        unit_lists, unit_bits, unit_counts,  # the forward's lists for 2 * ROWS-row tiles (build_unit_lists)
+        unit_lists, unit_bits, unit_counts,  # the forward's lists for 2 * ROWS-row tiles (split_first_step)
         cu_seqlens_q, cu_seqlens_k,  # int32 [S + 1], read only when IS_VARLEN
         work_counter,  # int32 [1], zero: work items claimed after each program's first
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
@@ -356,7 +406,7 @@ if AVAILABLE:
                                       work_smem, work_args, out_args, qk_scale, TILE, BLOCK_SIZE, UNIT, IS_VARLEN)),
                 (load_partition, ((q_desc,), (q_smem,), ((stride_qb, stride_qh, stride_qt),), k_desc, v_desc, k_bufs,
                                   v_bufs, q_ready, q_free, k_ready, v_ready, kv_free, work_smem, work_counter,
-                                  work_args, kv_strides, TILE, IS_VARLEN)),
+                                  work_args, kv_strides, TILE, IS_VARLEN, True)),
             ],
             [4, 1],
             [CONSUMER_REGISTERS, LOADER_REGISTERS],  # the default partition (consumer 0) gets what is left
@@ -375,8 +425,8 @@ def supported(q: torch.Tensor, k: torch.Tensor, causal: bool, block_size: int) -
 def launch(q, k, v, out, lse, row_views, lists, problem, qk_scale: float, block_size: int, block_n: int,
            num_pattern_heads: int, num_buffers: int) -> None:
     """Run the kernel. ``row_views``: ``(shape, strides)`` of q, k and v seen as rows (``triton_impl._row_view``);
-    ``lists``: the forward's lists for ``BLOCK_M``-row query tiles and ``block_n``-key units; ``problem``:
-    ``triton_impl._Problem``."""
+    ``lists``: the forward's lists for ``BLOCK_M``-row query tiles and ``block_n``-key units, through
+    ``triton_impl.split_first_step``; ``problem``: ``triton_impl._Problem``."""
     units, bits, counts = lists
     gl_dtype = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
     head_dim = q.shape[-1]

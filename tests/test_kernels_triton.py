@@ -305,6 +305,40 @@ def test_unit_lists_cover_exactly_the_kept_units(resident_is_query):
             assert full == sorted(full, reverse=not resident_is_query)
 
 
+@pytest.mark.parametrize("block_size", [32, 64, 128])
+def test_split_first_step_gives_each_half_of_a_tile_its_own_entries(block_size):
+    """The warp-specialized forward's lists: a split step (half of its entries kept only by the first consumer's
+    blocks, half only by the second's) first where a tile has them, then every other entry in its order; nothing
+    lost or repeated. Tiles of one block (block 128) have none."""
+    pattern = S2Pattern(block_size=block_size, local_blocks=5, vert_stride=3)
+    blocks = 3000 // block_size
+    unit = block_size  # keys per entry: min(block_size, the forward's 128-key steps)
+    group, blocks_per_tile = 128 // unit, 128 // block_size
+    lists = triton_impl.build_unit_lists(pattern.block_mask(4, blocks, blocks), block_size, True, tile=128, unit=unit,
+                                         group=group, resident_is_query=True)
+    units, bits, counts = triton_impl.split_first_step(*lists, group, blocks_per_tile)
+    first_half = (1 << (blocks_per_tile // 2)) - 1
+    half = group // 2
+    for head in range(4):
+        for tile in range(units.shape[1]):
+            old_full, old_total = lists[2][head, tile].tolist()
+            num_full, num_regular, split = counts[head, tile].tolist()
+            old = list(zip(lists[0][head, tile, :old_total].tolist(), lists[1][head, tile, :old_total].tolist()))
+            new = list(zip(units[head, tile, :num_regular + group * split].tolist(),
+                           bits[head, tile, :num_regular + group * split].tolist()))
+            assert sorted(new) == sorted(old) and num_full == old_full
+            head_entries, regular = new[:group * split], new[group * split:]
+            assert regular == [entry for entry in old if entry not in head_entries]  # the others keep their order
+            if split:
+                assert num_regular >= 1
+                assert all(entry_bits & ~first_half == 0 for _, entry_bits in head_entries[:half])
+                assert all(entry_bits & first_half == 0 for _, entry_bits in head_entries[half:])
+    if blocks_per_tile < 2:
+        assert not counts[..., 2].any()
+    else:
+        assert counts[..., 2].any()
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 GPU_CASES = [
     # (batch, Hq, Hkv, Tq, Tk, D), block_size
