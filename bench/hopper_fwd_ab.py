@@ -7,7 +7,9 @@ Each version runs as the tuner's only forward candidate (``triton_impl._WARP_SPE
 than the versions differ), after the worst relative error of each against the
 fp32 PyTorch path on odd shapes (with few programs, so that every program runs many work items). The other versions are
 copies of ``hopper_fwd.py`` (another commit's, or variants); each is loaded as a module of ``s2_models.kernels`` so that
-its relative imports resolve. Each version runs with each ``--tiles`` entry (keys per step x K/V ring slots), one arm
+its relative imports resolve; a version must read the lists this checkout's ``triton_impl`` builds for it (since the
+twenty-third session, ``split_first_step``'s: an older file would read a split step as an ordinary one and fail its
+error check). Each version runs with each ``--tiles`` entry (keys per step x K/V ring slots), one arm
 each; ratios are the first arm's time over each arm's (above 1: the arm is faster)::
 
     git show HEAD~1:kernels/hopper_fwd.py > .gpu/hopper_fwd_before.py
