@@ -69,6 +69,7 @@ if AVAILABLE:
         partial_visible,
         published_work,
         tma,
+        warpgroup_layout,
         warpgroup_mma,
         warpgroup_mma_wait,
         work_item,
@@ -235,10 +236,8 @@ if AVAILABLE:
         tile = 2 * pair + ring
         has_keys = tile * KEYS < seqlen_k
         if has_keys:
-            s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                               instr_shape=[16, ROWS, 16])
-            acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                 instr_shape=[16, HEAD_DIM, 16])
+            s_layout: gl.constexpr = warpgroup_layout(ROWS)
+            acc_layout: gl.constexpr = warpgroup_layout(HEAD_DIM)
             a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
             k_pos = tile * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))  # [KEYS] positions
             block_in_tile = k_pos // BLOCK_SIZE - (tile * KEYS) // BLOCK_SIZE  # bit index of each key's block
@@ -378,10 +377,8 @@ if AVAILABLE:
         HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
         BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
         GROUP: gl.constexpr = BLOCK_N // UNIT
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = warpgroup_layout(BLOCK_N)
+        acc_layout: gl.constexpr = warpgroup_layout(HEAD_DIM)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         rows_acc: gl.constexpr = gl.SliceLayout(1, acc_layout)

@@ -63,6 +63,11 @@ REGISTERS = {64: (232, 40), 128: (240, 24)}
 
 if AVAILABLE:
 
+    @gluon.constexpr_function
+    def warpgroup_layout(columns):
+        """Registers of a warp-group matrix product's ``[64, columns]`` result (4 warps, 16 rows each)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, columns, 16])
+
     @gluon.jit
     def work_item(work, work_args, TILE: gl.constexpr, IS_VARLEN: gl.constexpr, SPLIT_STEPS: gl.constexpr):
         """Work item ``work`` (tiles fastest, then heads, then sequences; the latest, heaviest tile of a head first):
@@ -250,16 +255,13 @@ if AVAILABLE:
         BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
         NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
         GROUP: gl.constexpr = BLOCK_N // UNIT
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = warpgroup_layout(BLOCK_N)
+        o_layout: gl.constexpr = warpgroup_layout(HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         HALF: gl.constexpr = BLOCK_N // 2  # keys of a split step's half
-        half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                              instr_shape=[16, HALF, 16])
+        half_layout: gl.constexpr = warpgroup_layout(HALF)
         rows_half: gl.constexpr = gl.SliceLayout(1, half_layout)
         q_tile = q_smem.index(consumer)  # [ROWS, D]
         step = 0  # ring steps consumed so far: slot and phase
