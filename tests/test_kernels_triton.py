@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from s2_models.kernels import S2Pattern, s2_attention, triton_impl  # noqa: E402
+from s2_models.kernels.layouts import BlockLayout  # noqa: E402
 from s2_models.kernels.naive import naive_s2_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -419,6 +420,20 @@ WARP_SPECIALIZED_CASES = [
 ]
 
 
+def test_warp_specialized_cases_run_split_steps():
+    """The Gluon forward's GPU cases with blocks of 32 and 64 have tiles that start with a split step, so those tests
+    check the split step's halves, not only the ordinary steps."""
+    for (_, q_heads, kv_heads, _, k_len, _), fields, _ in WARP_SPECIALIZED_CASES:
+        pattern = S2Pattern(**fields)
+        if pattern.block_size > 64:
+            continue
+        blocks = -(-k_len // pattern.block_size)
+        mask = pattern.block_mask(pattern.num_pattern_heads(q_heads, kv_heads), blocks, blocks)
+        layout = BlockLayout(mask, pattern.block_size, True, None)
+        _, _, counts = triton_impl._unit_lists(layout, 128, 128, resident_is_query=True, split_first=True)
+        assert counts[..., 2].any(), fields
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", triton_impl._WARP_SPECIALIZED_FWD, ids=lambda c: f"{c.block_n}-keys")
 @pytest.mark.parametrize("programs", [None, 3], ids=["one-per-sm", "3-programs"])
@@ -515,10 +530,10 @@ def test_gpu_gluon_dq_without_lse_gradient(monkeypatch):
     pattern = S2Pattern(block_size=64, local_blocks=3, vert_stride=4)
     q, k, v, grad_out, _ = _make_inputs(570, 2, 4, 2, 1111, 1111, 128, torch.bfloat16)
     grads = []
-    for fn, cast in ((lambda *t: s2_attention(*t, pattern, backend="triton"), lambda t: t),
-                     (lambda *t: naive_s2_attention(*t, pattern, dtype=torch.float64)[0], lambda t: t),
-                     (lambda *t: naive_s2_attention(*t, pattern, dtype=torch.bfloat16)[0], lambda t: t)):
-        leaves = [cast(t).detach().requires_grad_() for t in (q, k, v)]
+    for fn in (lambda *t: s2_attention(*t, pattern, backend="triton"),
+               lambda *t: naive_s2_attention(*t, pattern, dtype=torch.float64)[0],
+               lambda *t: naive_s2_attention(*t, pattern, dtype=torch.bfloat16)[0]):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         grads.append(torch.autograd.grad((fn(*leaves) * grad_out).sum(), leaves))
     assert launches, "the Gluon dq did not run"
     for index, name in enumerate(("dq", "dk", "dv")):
