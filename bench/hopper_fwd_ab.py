@@ -1,16 +1,17 @@
 """The warp-specialized forward (kernels/hopper_fwd.py) against other versions of that file, forced tiles (GPU).
 
 Each version runs as the tuner's only forward candidate (``triton_impl._WARP_SPECIALIZED_FWD``), all alternated
-``--rounds`` times in one process at issue 9's shapes with blocks of 32 and more (``bench_s2_attention.py``'s
-``COMPARE_SHAPES`` and patterns; bf16, causal), timed as the GPU's own kernel times under the profiler
-(``backward_ab.kernel_times``: whole calls timed with ``do_bench`` moved by up to 15% between rounds on an H100, more
-than the versions differ), after the worst relative error of each against the
-fp32 PyTorch path on odd shapes (with few programs, so that every program runs many work items). The other versions are
-copies of ``hopper_fwd.py`` (another commit's, or variants); each is loaded as a module of ``s2_models.kernels`` so that
-its relative imports resolve; a version must read the lists this checkout's ``triton_impl`` builds for it (since the
-twenty-third session, ``split_first_step``'s: an older file would read a split step as an ordinary one and fail its
-error check). Each version runs with each ``--tiles`` entry (keys per step x K/V ring slots), one arm
-each; ratios are the first arm's time over each arm's (above 1: the arm is faster)::
+``--rounds`` times in one process at issue 9's shapes with blocks of 32 and more (shape by shape; a round's arms back
+to back, in turn first) (``bench_s2_attention.py``'s ``COMPARE_SHAPES`` and patterns; bf16, causal), timed as the
+GPU's own kernel times under the profiler (``backward_ab.kernel_times``: whole calls timed with ``do_bench`` moved by
+up to 15% between rounds on an H100, more than the versions differ), after the worst relative error of each against
+the fp32 PyTorch path on odd shapes (with few programs, so that every program runs many work items). The other
+versions are copies of ``hopper_fwd.py`` (another commit's, or variants); each is loaded as a module of
+``s2_models.kernels`` so that its relative imports resolve; a version must read the lists this checkout's
+``triton_impl`` builds for it (since the twenty-third session, ``split_first_step``'s: an older file would read a
+split step as an ordinary one and fail its error check). Each version runs with each ``--tiles`` entry (keys per step
+x K/V ring slots), one arm each; ratios are the first arm's time over each arm's in the same round, their median and
+range (above 1: the arm is faster)::
 
     git show HEAD~1:kernels/hopper_fwd.py > .gpu/hopper_fwd_before.py
     python bench/hopper_fwd_ab.py --version before=.gpu/hopper_fwd_before.py --out $OUT/hopper_fwd_ab.json
@@ -79,11 +80,15 @@ def worst_error(module, tile) -> dict:
     return worst
 
 
-def forward_ms(fields, batch, seqlen, q_heads, kv_heads, head_dim) -> float:
-    pattern = compare_pattern(fields, q_heads)
+def forward_inputs(fields, batch, seqlen, q_heads, kv_heads, head_dim) -> tuple:
+    """A shape's q, k, v (bf16) and pattern, shared by every arm and round."""
     q = torch.randn(batch, q_heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(batch, kv_heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    s2_attention(q, k, v, pattern, backend="triton")  # compiles, builds the lists
+    return q, k, v, compare_pattern(fields, q_heads)
+
+
+def forward_ms(q, k, v, pattern) -> float:
+    s2_attention(q, k, v, pattern, backend="triton")  # compiles (an arm's first call), builds the lists
     return kernel_times(lambda: s2_attention(q, k, v, pattern, backend="triton"), "fwd_ws_kernel")[0]
 
 
@@ -106,24 +111,30 @@ def main():
     results = {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
                "errors": {name: worst_error(*arm) for name, arm in arms.items()}, "ms": {}}
     print(json.dumps(results["errors"]), flush=True)
-    for round_ in range(args.rounds):
-        for name, arm in arms.items():
-            use(*arm)
-            for shape_name, *shape in SHAPES:
-                if args.only and not any(part in shape_name for part in args.only.split(";")):
-                    continue
-                ms = forward_ms(*shape)
-                results["ms"].setdefault(shape_name, {}).setdefault(name, []).append(round(ms, 3))
-                print(round_, name, shape_name, round(ms, 3), flush=True)
-                torch.cuda.empty_cache()
-        with open(args.out, "w") as f:  # after every round: a run cut short keeps what it measured
+    for shape_name, *shape in SHAPES:
+        if args.only and not any(part in shape_name for part in args.only.split(";")):
+            continue
+        inputs = forward_inputs(*shape)
+        runs = results["ms"][shape_name] = {name: [] for name in arms}
+        for round_ in range(args.rounds):
+            # A round's arms run back to back, in turn first, so that the clocks' drift within a call (up to ~10%
+            # between rounds on an H100) falls mostly between rounds, not between the arms a ratio compares.
+            for name in list(arms)[:: 1 if round_ % 2 == 0 else -1]:
+                use(*arms[name])
+                runs[name].append(round(forward_ms(*inputs), 3))
+                print(round_, name, shape_name, runs[name][-1], flush=True)
+        del inputs
+        torch.cuda.empty_cache()
+        with open(args.out, "w") as f:  # after every shape: a run cut short keeps what it measured
             json.dump(results, f, indent=1)
     baseline, *others = arms
-    header = " | ".join(f"{name} ms, {baseline} / {name}" for name in others)
+    header = " | ".join(f"{name} ms, {baseline} / {name} (rounds)" for name in others)
     print(f"\n| shape | {baseline} ms (each round) | {header} |")
     for shape_name, runs in results["ms"].items():
-        mean = {name: sum(times) / len(times) for name, times in runs.items()}
-        cells = [f"{runs[name]}, {mean[baseline] / mean[name]:.3f}x" for name in others]
+        cells = []
+        for name in others:
+            ratios = sorted(b / a for b, a in zip(runs[baseline], runs[name]))
+            cells.append(f"{runs[name]}, {ratios[len(ratios) // 2]:.3f}x ({ratios[0]:.3f}-{ratios[-1]:.3f})")
         print(f"| {shape_name} | {runs[baseline]} | " + " | ".join(cells) + " |")
 
 
