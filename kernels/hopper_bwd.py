@@ -59,7 +59,6 @@ from .sequence_bounds import sequence_bounds
 
 if AVAILABLE:
     from .hopper_fwd import (
-        GluonTensorDescriptor,
         consumer_rows,
         gl,
         gluon,
@@ -513,12 +512,8 @@ def launch_dkdv(q, dout, k, v, lse_log2, delta, dk, dv, row_views, lists, proble
     (``triton_impl._row_view``); ``lists``: the dk/dv lists for ``BLOCK_N``-key tiles and ``BLOCK_M``-query units;
     ``problem``: ``triton_impl._Problem``; ``lse_log2``, ``delta``: contiguous ``[B, Hq, T]``."""
     units, bits, counts = lists
-    gl_dtype = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
     head_dim = q.shape[-1]
-    descriptors = []
-    for t, (shape, strides), rows in zip((q, dout, k, v), row_views, (BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_N)):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
-        descriptors.append(GluonTensorDescriptor(t, shape, strides, [rows, head_dim], layout))
+    descriptors = hopper_fwd.row_descriptors((q, dout, k, v), row_views, (BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_N))
     num_kv_heads = k.shape[1]
     grid = (-(-problem.max_seqlen_k // (2 * BLOCK_N)), num_kv_heads, problem.num_seqs)
     stats_strides = (0 if problem.is_varlen else delta.stride(0), delta.stride(1))
@@ -546,14 +541,10 @@ def launch_dq(q, k, v, out, dout, lse, dlse, dq, lse_log2, delta, row_views, lis
     forward's lists for ``hopper_fwd.BLOCK_M``-row query tiles and ``DQ_BLOCK_N``-key units; ``lse_log2``, ``delta``:
     contiguous ``[B, Hq, T]``, written."""
     units, bits, counts = lists
-    gl_dtype = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
     head_dim = q.shape[-1]
     unit = min(block_size, DQ_BLOCK_N)  # keys per list entry: one TMA box
-    descriptors = []
-    for t, (shape, strides), rows in zip((q, dout, out, k, v), row_views,
-                                         (hopper_fwd.CONSUMER_ROWS,) * 3 + (unit, unit)):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
-        descriptors.append(GluonTensorDescriptor(t, shape, strides, [rows, head_dim], layout))
+    descriptors = hopper_fwd.row_descriptors((q, dout, out, k, v), row_views,
+                                             (hopper_fwd.CONSUMER_ROWS,) * 3 + (unit, unit))
     num_q_heads = q.shape[1]
     num_q_tiles = problem.num_q_tiles(hopper_fwd.BLOCK_M)
     num_work = num_q_tiles * num_q_heads * problem.num_seqs

@@ -430,13 +430,8 @@ def launch(q, k, v, out, lse, row_views, lists, problem, qk_scale: float, block_
     ``lists``: the forward's lists for ``BLOCK_M``-row query tiles and ``block_n``-key units, through
     ``triton_impl.split_first_step``; ``problem``: ``triton_impl._Problem``."""
     units, bits, counts = lists
-    gl_dtype = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
-    head_dim = q.shape[-1]
-    descriptors = []
     unit = min(block_size, block_n)  # keys per list entry: one TMA box
-    for t, (shape, strides), rows in zip((q, k, v), row_views, (CONSUMER_ROWS, unit, unit)):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
-        descriptors.append(GluonTensorDescriptor(t, shape, strides, [rows, head_dim], layout))
+    descriptors = row_descriptors((q, k, v), row_views, (CONSUMER_ROWS, unit, unit))
     num_q_heads = q.shape[1]
     num_q_tiles = problem.num_q_tiles(BLOCK_M)
     num_work = num_q_tiles * num_q_heads * problem.num_seqs
@@ -452,6 +447,18 @@ def launch(q, k, v, out, lse, row_views, lists, problem, qk_scale: float, block_
         BLOCK_SIZE=block_size, BLOCK_N=block_n, IS_VARLEN=problem.is_varlen, NUM_BUFFERS=num_buffers,
         CONSUMER_REGISTERS=consumer_registers, LOADER_REGISTERS=loader_registers, num_warps=4, maxnreg=MAXNREG,
     )
+
+
+def row_descriptors(tensors, row_views, box_rows) -> list:
+    """TMA descriptors of 16-bit ``tensors`` seen as rows (``row_views``: their ``(shape, strides)``,
+    ``triton_impl._row_view``), boxes of ``box_rows`` rows each by the head dim, in wgmma's shared-memory layout."""
+    gl_dtype = gl.float16 if tensors[0].dtype == torch.float16 else gl.bfloat16
+    head_dim = tensors[0].shape[-1]
+    descriptors = []
+    for t, (shape, strides), rows in zip(tensors, row_views, box_rows, strict=True):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
+        descriptors.append(GluonTensorDescriptor(t, shape, strides, [rows, head_dim], layout))
+    return descriptors
 
 
 @functools.cache
