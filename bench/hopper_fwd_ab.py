@@ -1,11 +1,11 @@
 """The warp-specialized forward (kernels/hopper_fwd.py) against other versions of that file, forced tiles (GPU).
 
 Each version runs as the tuner's only forward candidate (``triton_impl._WARP_SPECIALIZED_FWD``), all alternated
-``--rounds`` times in one process at issue 9's shapes with blocks of 32 and more (shape by shape; a round's arms back
-to back, in turn first) (``bench_s2_attention.py``'s ``COMPARE_SHAPES`` and patterns; bf16, causal), timed as the
-GPU's own kernel times under the profiler (``backward_ab.kernel_times``: whole calls timed with ``do_bench`` moved by
-up to 15% between rounds on an H100, more than the versions differ), after the worst relative error of each against
-the fp32 PyTorch path on odd shapes (with few programs, so that every program runs many work items). The other
+``--rounds`` times in one process, shape by shape (a round's arms back to back, each in turn first), at issue 9's
+shapes with blocks of 32 and more (``bench_s2_attention.py``'s ``COMPARE_SHAPES`` and patterns; bf16, causal), timed
+as the GPU's own kernel times under the profiler (``backward_ab.kernel_times``: whole calls timed with ``do_bench``
+moved by up to 15% between rounds on an H100, more than the versions differ), after the worst relative error of each
+against the fp32 PyTorch path on odd shapes (with few programs, so that every program runs many work items). The other
 versions are copies of ``hopper_fwd.py`` (another commit's, or variants); each is loaded as a module of
 ``s2_models.kernels`` so that its relative imports resolve; a version must read the lists this checkout's
 ``triton_impl`` builds for it (since the twenty-third session, ``split_first_step``'s: an older file would read a
