@@ -10,8 +10,8 @@ versions are copies of ``hopper_fwd.py`` (another commit's, or variants); each i
 ``s2_models.kernels`` so that its relative imports resolve; a version must read the lists this checkout's
 ``triton_impl`` builds for it (since the twenty-third session, ``split_first_step``'s: an older file would read a
 split step as an ordinary one and fail its error check). Each version runs with each ``--tiles`` entry (keys per step
-x K/V ring slots), one arm each; ratios are the first arm's time over each arm's in the same round, their median and
-range (above 1: the arm is faster)::
+x ring slots, as that version's ``launch`` reads ``num_buffers``), one arm each; ratios are the first arm's time over
+each arm's in the same round, their median and range (above 1: the arm is faster)::
 
     git show HEAD~1:kernels/hopper_fwd.py > .gpu/hopper_fwd_before.py
     python bench/hopper_fwd_ab.py --version before=.gpu/hopper_fwd_before.py --out $OUT/hopper_fwd_ab.json
@@ -98,7 +98,8 @@ def main():
                         help="a copy of hopper_fwd.py to compare with kernels/hopper_fwd.py (repeatable)")
     candidate = triton_impl._WARP_SPECIALIZED_FWD[0]
     parser.add_argument("--tiles", default=f"{candidate.block_n}x{candidate.num_stages}",
-                        help="KEYSxSLOTS,...: keys per step and K/V ring slots, an arm each (default: the candidate's)")
+                        help="KEYSxSLOTS,...: keys per step and ring slots (launch's num_buffers), an arm each "
+                             "(default: the candidate's)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--only", help="shapes whose name contains one of these (separated by ';')")

@@ -144,7 +144,7 @@ def main():
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--loops", type=int, default=2, help="how many of the shortest HGMMA loops to print")
     parser.add_argument("--block-n", type=int, default=64, help="keys per step")
-    parser.add_argument("--num-buffers", type=int, default=3, help="K/V ring slots")
+    parser.add_argument("--num-buffers", type=int, default=3, help="V ring slots (K's: one fewer)")
     parser.add_argument("--registers", help="CONSUMER,LOADER register counts (default: the module's)")
     parser.add_argument("--kernel-file", help="another version of kernels/hopper_fwd.py to compile instead")
     args = parser.parse_args()

@@ -37,7 +37,8 @@ Deterministic, as the Triton kernel: each key tile's sums run in one consumer, i
 
 dQ (``s2_attention_bwd_dq_ws_kernel``, launched before dK/dV): the Gluon forward's structure (``hopper_fwd``: one
 persistent program per SM, work items of ``hopper_fwd.BLOCK_M = 128`` query rows claimed in order from a counter, the
-same lists, its loader's K/V ring steps), with each item's Q, dO and O copied beside each other, and a consumer step of
+same lists, K/V ring steps of joint slots through ``hopper_fwd.load_partition``), with each item's Q, dO and O
+copied beside each other, and a consumer step of
 
     S = Q K^T (lse as the initial accumulator) and dP = dO V^T issued together
     wait for S only; P = exp2(S * scale) (masked on partial steps)

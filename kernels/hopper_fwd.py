@@ -19,13 +19,18 @@ its next item from a counter, so the items in flight are always neighbours in th
 two heads, whose K and V blocks they share in L2); with items assigned round-robin, programs drift apart, and at
 16 x 8192 the L2 hit rate fell to 61% (bench/NOTES.md). Partitions:
 
-* loader (1 warp): claims the items; per item its index (for the consumers) and Q, then per step the K and V of
-  ``BLOCK_N // UNIT`` list entries (``UNIT = min(block_size, BLOCK_N)`` keys each, one TMA box each) into a ring of
-  ``NUM_BUFFERS`` slots;
+* loader (1 warp, ``stream_load_partition``): claims the items; per item its index (for the consumers) and Q, into
+  one of two Q buffers (item ``n`` in buffer ``n % 2``, copied while item ``n - 1`` runs), then per ring step the K
+  and V of ``BLOCK_N // UNIT`` list entries (``UNIT = min(block_size, BLOCK_N)`` keys each, one TMA box each) into a
+  K ring of ``NUM_V_BUFFERS - 1`` slots and a V ring of ``NUM_V_BUFFERS`` (the second Q buffer takes what a third K
+  slot would: at D = 128 shared memory holds 7 tiles of 32 KB);
 * two consumers (4 warps each, 64 query rows each), in FlashAttention-3's order: a step issues the next step's
   ``S = Q K^T`` and this step's ``O += P V`` as asynchronous warp-group matrix products on the shared-memory tiles,
   then computes the next step's online softmax (base 2, fp32) while they run; the two consumers take turns to issue,
-  so that one's softmax overlaps the other's matrix products (ping-pong). A slot is released when both have read it.
+  so that one's softmax overlaps the other's matrix products (ping-pong). Both release each ring step once its
+  ``P V`` is complete, which also frees the next step's K (its scores were issued first, and products complete in
+  order). The ring steps run on across items: an item's last step issues, with its ``P V``, the next item's first
+  scores from the other Q buffer, so that no item starts with an empty queue (1.02-1.05x; bench/NOTES.md).
 
 Scope (``supported``): causal, 16-bit inputs, head dim 64 or 128, ``block_size >= 32``, compute capability 9.0, and
 tensors ``triton_impl._row_view`` can view as rows. Everything else stays on the Triton forward, and the tuner picks
@@ -135,10 +140,10 @@ if AVAILABLE:
     def load_partition(row_descs, row_bufs, row_strides, k_desc, v_desc, k_bufs, v_bufs, q_ready, q_free, k_ready,
                        v_ready, kv_free, work_smem, work_counter, work_args, kv_strides, TILE: gl.constexpr,
                        IS_VARLEN: gl.constexpr, SPLIT_STEPS: gl.constexpr):
-        """Claim the work items and issue every TMA copy: per item its index (``_publish_work``, read by the consumers
-        once the rows have arrived) and both consumers' halves of the query-side rows (``row_descs``, with
-        ``row_bufs [2, ROWS, D]`` and ``(batch, head, row)`` strides each: Q in the forward; Q, dO and O in the dq
-        kernel), then per step the K and V of ``GROUP = BLOCK_N // UNIT`` list entries (``_copy_kv_steps``), a split
+        """The dq kernel's loader (``hopper_bwd``): claim the work items and issue every TMA copy: per item its index
+        (``_publish_work``, read by the consumers once the rows have arrived) and both consumers' halves of the
+        query-side rows (``row_descs``, with ``row_bufs [2, ROWS, D]`` and ``(batch, head, row)`` strides each: Q, dO
+        and O), then per step the K and V of ``GROUP = BLOCK_N // UNIT`` list entries (``_copy_kv_steps``), a split
         step's first where the list has one (``SPLIT_STEPS``). After the last item, ``num_work`` as the index tells
         the consumers to stop."""
         num_work = work_args[0]
@@ -194,17 +199,6 @@ if AVAILABLE:
         return q_pos, q_pos // BLOCK_SIZE - tile_first // BLOCK_SIZE
 
     @gluon.jit
-    def _scores(q_tile, k_bufs, k_ready, step, s_layout: gl.constexpr):
-        """Issue ``S = Q K^T`` of ring step ``step`` (asynchronous: wait with ``warpgroup_mma_wait``)."""
-        NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
-        BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
-        ROWS: gl.constexpr = q_tile.type.shape[0]
-        slot = step % NUM_BUFFERS
-        mbarrier.wait(k_ready.index(slot), (step // NUM_BUFFERS) & 1)
-        return warpgroup_mma(q_tile, k_bufs.index(slot).permute((1, 0)),
-                             gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-
-    @gluon.jit
     def partial_visible(j, num_entries, list_base, bits_base, q_pos, block_in_tile, seqlen_k, UNIT: gl.constexpr,
                          BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
         """Which scores of step ``j`` (``[ROWS, BLOCK_N]``, rows at positions ``q_pos``) a partial step keeps: the
@@ -240,120 +234,301 @@ if AVAILABLE:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
-    def _compute_partition(consumer: gl.constexpr, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready,
-                           kv_free, turns, work_smem, work_args, out_args, qk_scale, TILE: gl.constexpr,
-                           BLOCK_SIZE: gl.constexpr, UNIT: gl.constexpr, IS_VARLEN: gl.constexpr):
+    def _kv_slot(step, IS_V: gl.constexpr, NUM_K: gl.constexpr, NUM_V: gl.constexpr):
+        """Ring step ``step``'s K (or V) slot in the joint buffers (K's ring first, then V's: one index chooses either
+        as a product's operand) and the phase of its ``k_ready`` (``v_ready``) barrier."""
+        if IS_V:
+            return NUM_K + step % NUM_V, (step // NUM_V) & 1
+        return step % NUM_K, (step // NUM_K) & 1
+
+    @gluon.jit
+    def _release(free, ring_step, NUM_V: gl.constexpr, pred=True):
+        """A consumer releases ring step ``ring_step`` (its V, and the next step's K): barrier ``(ring_step + 1) %
+        NUM_V``, so that step -1 (the program's first K read, which the loader's step ``NUM_V - 1`` waits for) has
+        one too."""
+        mbarrier.arrive(free.index((ring_step + 1) % NUM_V), count=1, pred=pred)
+
+    @gluon.jit
+    def _copy_kv_rings(k_desc, v_desc, kv_bufs, k_ready, v_ready, free, step, list_base, num_entries, k_row, k_col,
+                       v_row, v_col, NUM_K: gl.constexpr, NUM_V: gl.constexpr):
+        """As ``_copy_kv_steps``, into a K ring of ``NUM_K = NUM_V - 1`` slots and a V ring of ``NUM_V``, both gated by
+        the consumers' release of ring step ``t - NUM_V`` (``free``)."""
+        BLOCK_N: gl.constexpr = kv_bufs.type.shape[1]
+        UNIT: gl.constexpr = k_desc.block_type.shape[0]
+        GROUP: gl.constexpr = BLOCK_N // UNIT
+        gl.static_assert(NUM_K == NUM_V - 1, "a step's release frees its V and the next step's K")
+        for j in range(gl.cdiv(num_entries, GROUP)):
+            # Ring step t's K reuses step t - NUM_K's slot, its V step t - NUM_V's: both free once the consumers
+            # release ring step t - NUM_V (``_release``).
+            mbarrier.wait(free.index((step + 1) % NUM_V), (((step + 1) // NUM_V) & 1) ^ 1)
+            for is_v in gl.static_range(2):
+                slot, phase = _kv_slot(step, is_v == 1, NUM_K, NUM_V)
+                ready = v_ready.index(slot - NUM_K) if is_v == 1 else k_ready.index(slot)
+                mbarrier.expect(ready, GROUP * k_desc.block_type.nbytes)
+                for member in gl.static_range(GROUP):
+                    first_key = gl.load(list_base + gl.minimum(j * GROUP + member, num_entries - 1)) * UNIT
+                    if is_v == 1:
+                        tma.async_copy_global_to_shared(v_desc, [v_row + first_key, v_col], ready,
+                                                        kv_bufs.index(slot).slice(member * UNIT, UNIT))
+                    else:
+                        tma.async_copy_global_to_shared(k_desc, [k_row + first_key, k_col], ready,
+                                                        kv_bufs.index(slot).slice(member * UNIT, UNIT))
+            step += 1
+        return step
+
+    @gluon.jit
+    def stream_load_partition(q_desc, q_smem, q_strides, k_desc, v_desc, kv_bufs, q_ready, q_free, k_ready, v_ready,
+                              free, work_smem, work_counter, work_args, kv_strides, TILE: gl.constexpr,
+                              IS_VARLEN: gl.constexpr, NUM_K: gl.constexpr, NUM_V: gl.constexpr):
+        """The forward's loader: claim the work items; per item publish its index and copy its Q into buffer
+        ``n % 2`` (once item ``n - 2`` has released it), then its ring steps (``_copy_kv_rings``, a split step's
+        first where the list has one), numbered on across items. After the last item, ``num_work`` as the index tells
+        the consumers to stop."""
+        num_work = work_args[0]
+        q_heads_per_kv = work_args[15]
+        stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt = kv_strides
+        ROWS: gl.constexpr = q_desc.block_type.shape[0]
+        GROUP: gl.constexpr = kv_bufs.type.shape[1] // k_desc.block_type.shape[0]
+        step = 0
+        iteration = 0
+        work = gl.program_id(0)
+        while work < num_work:
+            next_work = gl.num_programs(0) + gl.atomic_add(work_counter, 1, sem="relaxed")
+            seq, q_head, q_start, k_start, _, first_pos, tile_first, list_base, _, _, num_entries, split = work_item(
+                work, work_args, TILE, IS_VARLEN, True)
+            first_row = q_start + tile_first - first_pos
+            qb = iteration % 2
+            mbarrier.wait(q_free.index(qb), ((iteration // 2) & 1) ^ 1)
+            _publish_work(work_smem.index(qb), work)
+            mbarrier.expect(q_ready.index(qb), 2 * q_desc.block_type.nbytes)
+            row, col = head_origin(seq, q_head, q_strides[0], q_strides[1], q_strides[2])
+            for half in gl.static_range(2):
+                tma.async_copy_global_to_shared(q_desc, [row + first_row + half * ROWS, col], q_ready.index(qb),
+                                                q_smem.index(qb * 2 + half))
+            kv_head = q_head // q_heads_per_kv
+            k_row, k_col = head_origin(seq, kv_head, stride_kb, stride_kh, stride_kt)
+            v_row, v_col = head_origin(seq, kv_head, stride_vb, stride_vh, stride_vt)
+            step = _copy_kv_rings(k_desc, v_desc, kv_bufs, k_ready, v_ready, free, step, list_base,
+                                  split * GROUP + num_entries, k_row + k_start, k_col, v_row + k_start, v_col, NUM_K,
+                                  NUM_V)
+            iteration += 1
+            work = next_work
+        qb = iteration % 2
+        mbarrier.wait(q_free.index(qb), ((iteration // 2) & 1) ^ 1)
+        _publish_work(work_smem.index(qb), num_work)
+        mbarrier.arrive(q_ready.index(qb), count=1)
+
+    @gluon.jit
+    def _store_item(acc, m_i, l_i, q_pos, seq, q_head, q_start, first_pos, seqlen_k_seq, qk_scale, out_args,
+                    o_layout: gl.constexpr):
+        """The epilogue: a work item's normalized output rows and their lse (natural log)."""
+        out, lse, stride_ob, stride_oh, stride_ot, stride_lb, stride_lh, stride_lt = out_args
+        HEAD_DIM: gl.constexpr = acc.type.shape[1]
+        rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        seen = l_i > 0
+        l_safe = gl.where(seen, l_i, 1.0)
+        row_real = (q_pos >= first_pos) & (q_pos < seqlen_k_seq)
+        rows = (q_start + q_pos - first_pos).to(gl.int64)
+        lse_head = lse + seq.to(gl.int64) * stride_lb + q_head.to(gl.int64) * stride_lh
+        lse_row = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453, -float("inf"))  # ln
+        gl.store(lse_head + rows * stride_lt, lse_row, mask=row_real)
+        out_head = out + seq.to(gl.int64) * stride_ob + q_head.to(gl.int64) * stride_oh
+        out_tile = acc / gl.convert_layout(l_safe, rows_o)[:, None]
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        gl.store(out_head + gl.convert_layout(rows, rows_o)[:, None] * stride_ot + cols[None, :],
+                 out_tile.to(out.dtype.element_ty), mask=gl.convert_layout(row_real, rows_o)[:, None])
+
+    @gluon.jit
+    def _values(acc, alpha, p, kv_bufs, v_ready, v_slot, v_phase, turns, turn, consumer: gl.constexpr,
+                NUM_K: gl.constexpr):
+        """Issue ``O = alpha O + P V`` with the V in slot ``v_slot`` (asynchronous: wait with ``warpgroup_mma_wait``),
+        then hand the turn to the other consumer: ``(acc, turn + 1)``."""
+        o_layout: gl.constexpr = acc.type.layout
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        mbarrier.wait(v_ready.index(v_slot - NUM_K), v_phase)
+        acc = warpgroup_mma(gl.convert_layout(p.to(kv_bufs.dtype), p_layout), kv_bufs.index(v_slot), acc,
+                            is_async=True)
+        mbarrier.arrive(turns.index(1 - consumer), count=1)
+        return acc, turn + 1
+
+    @gluon.jit
+    def _item_start(consumer: gl.constexpr, q_tile, kv_bufs, k_ready, v_ready, free, s_first, prefetched, pending,
+                    step, split_base, split_bits, num_full, num_entries, split, q_pos, block_in_tile, seqlen_k_seq,
+                    qk_scale, UNIT: gl.constexpr, NUM_K: gl.constexpr, NUM_V: gl.constexpr):
+        """A work item's start, from ring step ``step``: its split step where it has one, and its first regular
+        step's softmax, whose scores ``s_first`` the last item's last step computed where ``prefetched`` (else they
+        are computed here). ``pending``: ring step ``step - 1``'s release is owed, paid once this item's first K has
+        been read. Returns ``(p, alpha, m_i, l_i, acc, step)`` for the item's step loop."""
+        ROWS: gl.constexpr = q_tile.type.shape[0]
+        HEAD_DIM: gl.constexpr = q_tile.type.shape[1]
+        BLOCK_N: gl.constexpr = kv_bufs.type.shape[1]
+        GROUP: gl.constexpr = BLOCK_N // UNIT
+        HALF: gl.constexpr = BLOCK_N // 2
+        s_layout: gl.constexpr = warpgroup_layout(BLOCK_N)
+        o_layout: gl.constexpr = warpgroup_layout(HEAD_DIM)
+        half_layout: gl.constexpr = warpgroup_layout(HALF)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        rows_half: gl.constexpr = gl.SliceLayout(1, half_layout)
+        list_base = split_base + split * GROUP
+        bits_base = split_bits + split * GROUP
+        num_steps = gl.cdiv(num_entries, GROUP)
+        m_i = gl.full([ROWS], -float("inf"), gl.float32, rows_s)
+        l_i = gl.zeros([ROWS], gl.float32, rows_s)
+        alpha = gl.zeros([ROWS], gl.float32, rows_s)
+        p = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+        if (prefetched == 0) & (num_steps > 0):  # a program's first item, or one after an item without steps
+            slot, phase = _kv_slot(step + split, False, NUM_K, NUM_V)
+            mbarrier.wait(k_ready.index(slot), phase)
+            s_first = warpgroup_mma_wait(num_outstanding=0, deps=(warpgroup_mma(
+                q_tile, kv_bufs.index(slot).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
+                use_acc=False, is_async=True),))
+            _release(free, step - 1, NUM_V, pred=(pending != 0) & (split == 0))
+        if num_steps > 0:
+            if split != 0:
+                # The split step: this consumer's half of the slot holds the entries only its rows keep.
+                k_slot, k_phase = _kv_slot(step, False, NUM_K, NUM_V)
+                v_slot, v_phase = _kv_slot(step, True, NUM_K, NUM_V)
+                mbarrier.wait(k_ready.index(k_slot), k_phase)
+                s_half = warpgroup_mma(q_tile, kv_bufs.index(k_slot).slice(consumer * HALF, HALF).permute((1, 0)),
+                                       gl.zeros([ROWS, HALF], gl.float32, half_layout), use_acc=False, is_async=True)
+                s_half = warpgroup_mma_wait(num_outstanding=0, deps=(s_half,))
+                _release(free, step - 1, NUM_V, pred=pending != 0)
+                q_pos_half = gl.convert_layout(q_pos, rows_half)
+                visible = partial_visible(consumer, GROUP, split_base, split_bits, q_pos_half,
+                                          gl.convert_layout(block_in_tile, rows_half), seqlen_k_seq, UNIT, HALF,
+                                          half_layout)
+                s_half = gl.where(visible, s_half, -float("inf"))
+                m_half = gl.max(s_half, 1)
+                m_scaled = gl.where(m_half == -float("inf"), 0.0, m_half * qk_scale)
+                p_half = gl.exp2(s_half * qk_scale - m_scaled[:, None])
+                m_i = gl.convert_layout(m_half, rows_s)
+                l_i = gl.convert_layout(gl.sum(p_half, 1), rows_s)
+                mbarrier.wait(v_ready.index(v_slot - NUM_K), v_phase)
+                acc = warpgroup_mma(gl.convert_layout(p_half.to(kv_bufs.dtype), p_layout),
+                                    kv_bufs.index(v_slot).slice(consumer * HALF, HALF), acc, use_acc=False,
+                                    is_async=True)
+                p, alpha, m_i, l_i = _softmax_step(s_first, m_i, l_i, 0, num_full, num_entries, list_base, bits_base,
+                                                   q_pos, block_in_tile, seqlen_k_seq, qk_scale, UNIT, s_layout)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                _release(free, step, NUM_V)
+                step += 1
+            else:
+                p, alpha, m_i, l_i = _softmax_step(s_first, m_i, l_i, 0, num_full, num_entries, list_base, bits_base,
+                                                   q_pos, block_in_tile, seqlen_k_seq, qk_scale, UNIT, s_layout)
+        return p, alpha, m_i, l_i, acc, step
+
+    @gluon.jit
+    def _compute_partition(consumer: gl.constexpr, q_smem, kv_bufs, q_ready, q_free, k_ready, v_ready, free, turns,
+                           work_smem, work_args, out_args, qk_scale, TILE: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                           UNIT: gl.constexpr, IS_VARLEN: gl.constexpr, NUM_K: gl.constexpr, NUM_V: gl.constexpr):
         """Consumer ``consumer`` (0 or 1): rows ``consumer * ROWS ...`` of each work item's query tile.
 
-        FlashAttention-3's order: each step issues the next step's ``Q K^T`` and this step's ``P V`` together, then
-        computes the next step's softmax while they run; the two consumers take turns to issue (the ``turns``
-        barriers), so that one's softmax overlaps the other's matrix products."""
+        Per item: ``_item_start`` (split step, first softmax), the step loop over all regular steps but the last
+        (FlashAttention-3's order; the two consumers take turns to issue, the ``turns`` barriers), then the last step,
+        which issues with its ``P V`` the next item's first regular ``Q K^T`` from the other Q buffer. Where there is
+        none (no next item, or one without steps), that product reads the last step's V instead and is discarded, so
+        that the code has one path. Then the epilogue, while the other consumer's products run."""
         num_work = work_args[0]
-        out, lse, stride_ob, stride_oh, stride_ot, stride_lb, stride_lh, stride_lt = out_args
         ROWS: gl.constexpr = q_smem.type.shape[1]
+        BLOCK_N: gl.constexpr = kv_bufs.type.shape[1]
         HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
-        BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
-        NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
         GROUP: gl.constexpr = BLOCK_N // UNIT
         s_layout: gl.constexpr = warpgroup_layout(BLOCK_N)
         o_layout: gl.constexpr = warpgroup_layout(HEAD_DIM)
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-        rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        HALF: gl.constexpr = BLOCK_N // 2  # keys of a split step's half
-        half_layout: gl.constexpr = warpgroup_layout(HALF)
-        rows_half: gl.constexpr = gl.SliceLayout(1, half_layout)
-        q_tile = q_smem.index(consumer)  # [ROWS, D]
-        step = 0  # ring steps consumed so far: slot and phase
-        turn = 0  # matrix-product bursts issued so far
+        step = 0
+        turn = 0
         iteration = 0
-        mbarrier.wait(q_ready, 0)
-        work = published_work(work_smem)
+        pending = 1  # whether the release of ring step step - 1 is owed (see the boundary; at first, step -1's)
+        mbarrier.wait(q_ready.index(0), 0)
+        work = published_work(work_smem.index(0))
+        (seq, q_head, q_start, _, seqlen_k_seq, first_pos, tile_first, split_base, split_bits, num_full,
+         num_entries, split) = work_item(gl.minimum(work, num_work - 1), work_args, TILE, IS_VARLEN, True)
+        q_pos, block_in_tile = consumer_rows(tile_first, consumer, ROWS, BLOCK_SIZE, rows_s)
+        p, alpha, m_i, l_i, acc, step = _item_start(
+            consumer, q_smem.index(consumer), kv_bufs, k_ready, v_ready, free,
+            gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), 0, pending, step, split_base, split_bits, num_full,
+            num_entries * (work < num_work), split, q_pos, block_in_tile, seqlen_k_seq, qk_scale, UNIT, NUM_K, NUM_V)
+        pending = pending * (num_entries * (work < num_work) == 0)
         while work < num_work:
-            (seq, q_head, q_start, _, seqlen_k_seq, first_pos, tile_first, split_base, split_bits, num_full,
-             num_entries, split) = work_item(work, work_args, TILE, IS_VARLEN, True)
-            list_base = split_base + split * GROUP  # the regular entries, after the split step's
+            qb = iteration % 2
+            q_tile = q_smem.index(qb * 2 + consumer)
+            list_base = split_base + split * GROUP
             bits_base = split_bits + split * GROUP
             num_steps = gl.cdiv(num_entries, GROUP)
-            q_pos, block_in_tile = consumer_rows(tile_first, consumer, ROWS, BLOCK_SIZE, rows_s)
-            m_i = gl.full([ROWS], -float("inf"), gl.float32, rows_s)
-            l_i = gl.zeros([ROWS], gl.float32, rows_s)
-            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+            for j in range(num_steps - 1):
+                # Consumer 0 goes first (a fresh barrier lets its first wait pass).
+                mbarrier.wait(turns.index(consumer), (turn & 1) ^ (1 - consumer))
+                k_slot, k_phase = _kv_slot(step + 1, False, NUM_K, NUM_V)
+                mbarrier.wait(k_ready.index(k_slot), k_phase)
+                s = warpgroup_mma(q_tile, kv_bufs.index(k_slot).permute((1, 0)),
+                                  gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+                v_slot, v_phase = _kv_slot(step, True, NUM_K, NUM_V)
+                acc, turn = _values(acc, alpha, p, kv_bufs, v_ready, v_slot, v_phase, turns, turn, consumer, NUM_K)
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+                if num_full >= 0:  # always: the branch keeps ptxas from moving the wait for P V above the softmax
+                    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j + 1, num_full, num_entries, list_base,
+                                                       bits_base, q_pos, block_in_tile, seqlen_k_seq, qk_scale, UNIT,
+                                                       s_layout)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                _release(free, step, NUM_V)
+                step += 1
+            # The next item (its Q was copied while this one ran).
+            next_qb = (iteration + 1) % 2
+            mbarrier.wait(q_ready.index(next_qb), ((iteration + 1) // 2) & 1)
+            next_work = published_work(work_smem.index(next_qb))
+            (n_seq, n_q_head, n_q_start, _, n_seqlen_k_seq, n_first_pos, n_tile_first, n_split_base, n_split_bits,
+             n_num_full, n_num_entries, n_split) = work_item(gl.minimum(next_work, num_work - 1), work_args, TILE,
+                                                              IS_VARLEN, True)
+            n_num_entries = n_num_entries * (next_work < num_work)
+            has_first = n_num_entries > 0
+            s_first = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+            prefetched = 0
             if num_steps > 0:
-                if split != 0:
-                    # The split step: this consumer's half of the slot holds the entries only its rows keep (the
-                    # other half, the other consumer's). Its scores and the first regular step's are issued
-                    # together; its P V runs while the first regular softmax does.
-                    slot = step % NUM_BUFFERS
-                    phase = (step // NUM_BUFFERS) & 1
-                    mbarrier.wait(k_ready.index(slot), phase)
-                    s_half = warpgroup_mma(q_tile, k_bufs.index(slot).slice(consumer * HALF, HALF).permute((1, 0)),
-                                           gl.zeros([ROWS, HALF], gl.float32, half_layout), use_acc=False,
-                                           is_async=True)
-                    s = _scores(q_tile, k_bufs, k_ready, step + 1, s_layout)
-                    s_half = warpgroup_mma_wait(num_outstanding=1, deps=(s_half,))
-                    q_pos_half = gl.convert_layout(q_pos, rows_half)
-                    visible = partial_visible(consumer, GROUP, split_base, split_bits, q_pos_half,
-                                              gl.convert_layout(block_in_tile, rows_half), seqlen_k_seq, UNIT, HALF,
-                                              half_layout)
-                    s_half = gl.where(visible, s_half, -float("inf"))
-                    m_half = gl.max(s_half, 1)
-                    m_scaled = gl.where(m_half == -float("inf"), 0.0, m_half * qk_scale)
-                    p_half = gl.exp2(s_half * qk_scale - m_scaled[:, None])
-                    m_i = gl.convert_layout(m_half, rows_s)
-                    l_i = gl.convert_layout(gl.sum(p_half, 1), rows_s)
-                    mbarrier.wait(v_ready.index(slot), phase)
-                    acc = warpgroup_mma(gl.convert_layout(p_half.to(v_bufs.dtype), p_layout),
-                                        v_bufs.index(slot).slice(consumer * HALF, HALF), acc, use_acc=False,
-                                        is_async=True)
-                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-                    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, num_full, num_entries, list_base, bits_base,
-                                                       q_pos, block_in_tile, seqlen_k_seq, qk_scale, UNIT, s_layout)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    mbarrier.arrive(kv_free.index(slot), count=1)
-                    step += 1
-                else:
-                    s = warpgroup_mma_wait(num_outstanding=0,
-                                           deps=(_scores(q_tile, k_bufs, k_ready, step, s_layout),))
-                    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, num_full, num_entries, list_base, bits_base,
-                                                       q_pos, block_in_tile, seqlen_k_seq, qk_scale, UNIT, s_layout)
-                for j in range(num_steps):
-                    # Consumer 0 goes first (a fresh barrier lets its first wait pass).
-                    mbarrier.wait(turns.index(consumer), (turn & 1) ^ (1 - consumer))
-                    # The next step's scores (the last step recomputes its own, whose slot it still holds).
-                    s = _scores(q_tile, k_bufs, k_ready, step + gl.minimum(j + 1, num_steps - 1) - j, s_layout)
-                    acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-                    slot = step % NUM_BUFFERS
-                    mbarrier.wait(v_ready.index(slot), (step // NUM_BUFFERS) & 1)
-                    acc = warpgroup_mma(gl.convert_layout(p.to(v_bufs.dtype), p_layout), v_bufs.index(slot), acc,
-                                        is_async=True)
-                    mbarrier.arrive(turns.index(1 - consumer), count=1)
-                    turn += 1
-                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-                    if j + 1 < num_steps:
-                        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j + 1, num_full, num_entries, list_base,
-                                                           bits_base, q_pos, block_in_tile, seqlen_k_seq, qk_scale,
-                                                           UNIT, s_layout)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    mbarrier.arrive(kv_free.index(slot), count=1)
-                    step += 1
-            mbarrier.arrive(q_free, count=1)  # the loader may bring the next work item's Q
-
-            seen = l_i > 0
-            l_safe = gl.where(seen, l_i, 1.0)
-            row_real = (q_pos >= first_pos) & (q_pos < seqlen_k_seq)
-            rows = (q_start + q_pos - first_pos).to(gl.int64)
-            lse_head = lse + seq.to(gl.int64) * stride_lb + q_head.to(gl.int64) * stride_lh
-            lse_row = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453, -float("inf"))  # ln
-            gl.store(lse_head + rows * stride_lt, lse_row, mask=row_real)
-            out_head = out + seq.to(gl.int64) * stride_ob + q_head.to(gl.int64) * stride_oh
-            out_tile = acc / gl.convert_layout(l_safe, rows_o)[:, None]
-            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            gl.store(out_head + gl.convert_layout(rows, rows_o)[:, None] * stride_ot + cols[None, :],
-                     out_tile.to(out.dtype.element_ty), mask=gl.convert_layout(row_real, rows_o)[:, None])
+                # The last step: its P V, with the next item's first regular scores (or a discarded product).
+                v_slot, v_phase = _kv_slot(step, True, NUM_K, NUM_V)
+                first_slot, first_phase = _kv_slot(step + 1 + n_split, False, NUM_K, NUM_V)
+                mbarrier.wait(k_ready.index(first_slot), first_phase, pred=has_first)
+                first_slot = gl.where(has_first, first_slot, v_slot)  # else a discarded product on the last V
+                mbarrier.wait(turns.index(consumer), (turn & 1) ^ (1 - consumer))
+                s_next = warpgroup_mma(q_smem.index(next_qb * 2 + consumer),
+                                       kv_bufs.index(first_slot).permute((1, 0)),
+                                       gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+                acc, turn = _values(acc, alpha, p, kv_bufs, v_ready, v_slot, v_phase, turns, turn, consumer, NUM_K)
+                s_first = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                # The next ring step's K was read by s_next only where it is a plain first step; else the release
+                # waits for the item that reads it.
+                released = has_first & (n_split == 0)
+                _release(free, step, NUM_V, pred=released)
+                pending = 1 - released.to(gl.int32)
+                step += 1
+                prefetched = has_first.to(gl.int32)
+            mbarrier.arrive(q_free.index(qb), count=1)  # the loader may bring the item after next's Q
+            _store_item(acc, m_i, l_i, q_pos, seq, q_head, q_start, first_pos, seqlen_k_seq, qk_scale, out_args,
+                        o_layout)
             iteration += 1
-            mbarrier.wait(q_ready, iteration & 1)
-            work = published_work(work_smem)
+            work = next_work
+            seq = n_seq
+            q_head = n_q_head
+            q_start = n_q_start
+            seqlen_k_seq = n_seqlen_k_seq
+            first_pos = n_first_pos
+            tile_first = n_tile_first
+            split_base = n_split_base
+            split_bits = n_split_bits
+            num_full = n_num_full
+            num_entries = n_num_entries
+            split = n_split
+            q_pos, block_in_tile = consumer_rows(tile_first, consumer, ROWS, BLOCK_SIZE, rows_s)
+            p, alpha, m_i, l_i, acc, step = _item_start(
+                consumer, q_smem.index(next_qb * 2 + consumer), kv_bufs, k_ready, v_ready, free, s_first, prefetched,
+                pending, step, split_base, split_bits, num_full, num_entries, split, q_pos, block_in_tile,
+                seqlen_k_seq, qk_scale, UNIT, NUM_K, NUM_V)
+            pending = pending * (num_entries == 0)  # paid by _item_start unless the item has no steps
 
     @gluon.jit
     def s2_attention_fwd_ws_kernel(
@@ -365,35 +540,40 @@ if AVAILABLE:
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
         stride_ob, stride_oh, stride_ot, stride_lb, stride_lh, stride_lt, stride_up, stride_ut, stride_cp, stride_ct,
         seqlen_q, seqlen_k, qk_scale, q_heads_per_pattern, q_heads_per_kv, num_q_tiles, num_q_heads, num_work,
-        BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-        CONSUMER_REGISTERS: gl.constexpr, LOADER_REGISTERS: gl.constexpr,
+        BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr, NUM_K_BUFFERS: gl.constexpr,
+        NUM_V_BUFFERS: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr, LOADER_REGISTERS: gl.constexpr,
     ):
         """Persistent: program ``p`` runs work item ``p`` of ``num_work = num_q_tiles * Hq * (B or S)``
         (``work_item``), then the items it claims from ``work_counter`` (``P, P + 1, ...`` in claim order), so that
-        one item's epilogue overlaps the next one's loads. ``qk_scale = scale * log2(e)``; launched with 4 warps
-        (consumer 0) plus the two worker partitions."""
+        one item's epilogue overlaps the next one's loads and first scores. ``qk_scale = scale * log2(e)``; launched
+        with 4 warps (consumer 0) plus the two worker partitions."""
         ROWS: gl.constexpr = q_desc.block_type.shape[0]
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
         UNIT: gl.constexpr = k_desc.block_type.shape[0]
         TILE: gl.constexpr = 2 * ROWS
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], v_desc.layout)
-        work_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        # Q: [2 buffers x 2 consumers' halves, ROWS, D]; K's ring (slots [0, NUM_K_BUFFERS)), then V's, in one
+        # allocation so that either can be a product's operand by index. K's and V's barriers are separate
+        # allocations (with one for both, Triton put a warp-group barrier before each step's V wait).
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [4] + q_desc.block_type.shape, q_desc.layout)
+        kv_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_K_BUFFERS + NUM_V_BUFFERS, BLOCK_N, HEAD_DIM],
+                                            k_desc.layout)
+        work_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-        kv_free = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_ready, count=1)
-        mbarrier.init(q_free, count=2)  # both consumers release Q
-        for slot in gl.static_range(NUM_BUFFERS):
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_K_BUFFERS, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_V_BUFFERS, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [NUM_V_BUFFERS, 1], mbarrier.MBarrierLayout())  # ``_release``
+        for b in gl.static_range(2):
+            mbarrier.init(q_ready.index(b), count=1)
+            mbarrier.init(q_free.index(b), count=2)  # both consumers release Q
+            mbarrier.init(turns.index(b), count=1)
+        for slot in gl.static_range(NUM_K_BUFFERS):
             mbarrier.init(k_ready.index(slot), count=1)
+        for slot in gl.static_range(NUM_V_BUFFERS):
             mbarrier.init(v_ready.index(slot), count=1)
-            mbarrier.init(kv_free.index(slot), count=2)  # both consumers release a slot
-        mbarrier.init(turns.index(0), count=1)
-        mbarrier.init(turns.index(1), count=1)
+        for slot in gl.static_range(NUM_V_BUFFERS):
+            mbarrier.init(free.index(slot), count=2)  # both consumers release a ring step
 
         work_args = (num_work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists,
                      unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern,
@@ -402,16 +582,18 @@ if AVAILABLE:
         kv_strides = (stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt)
         gl.warp_specialize(
             [
-                (_compute_partition, (0, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, kv_free, turns,
-                                      work_smem, work_args, out_args, qk_scale, TILE, BLOCK_SIZE, UNIT, IS_VARLEN)),
-                (_compute_partition, (1, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, kv_free, turns,
-                                      work_smem, work_args, out_args, qk_scale, TILE, BLOCK_SIZE, UNIT, IS_VARLEN)),
-                (load_partition, ((q_desc,), (q_smem,), ((stride_qb, stride_qh, stride_qt),), k_desc, v_desc, k_bufs,
-                                  v_bufs, q_ready, q_free, k_ready, v_ready, kv_free, work_smem, work_counter,
-                                  work_args, kv_strides, TILE, IS_VARLEN, True)),
+                (_compute_partition, (0, q_smem, kv_bufs, q_ready, q_free, k_ready, v_ready, free, turns, work_smem,
+                                      work_args, out_args, qk_scale, TILE, BLOCK_SIZE, UNIT, IS_VARLEN, NUM_K_BUFFERS,
+                                      NUM_V_BUFFERS)),
+                (_compute_partition, (1, q_smem, kv_bufs, q_ready, q_free, k_ready, v_ready, free, turns, work_smem,
+                                      work_args, out_args, qk_scale, TILE, BLOCK_SIZE, UNIT, IS_VARLEN, NUM_K_BUFFERS,
+                                      NUM_V_BUFFERS)),
+                (stream_load_partition, (q_desc, q_smem, (stride_qb, stride_qh, stride_qt), k_desc, v_desc, kv_bufs,
+                                         q_ready, q_free, k_ready, v_ready, free, work_smem, work_counter, work_args,
+                                         kv_strides, TILE, IS_VARLEN, NUM_K_BUFFERS, NUM_V_BUFFERS)),
             ],
             [4, 1],
-            [CONSUMER_REGISTERS, LOADER_REGISTERS],  # the default partition (consumer 0) gets what is left
+            [CONSUMER_REGISTERS, LOADER_REGISTERS],
         )
 
 
@@ -428,7 +610,8 @@ def launch(q, k, v, out, lse, row_views, lists, problem, qk_scale: float, block_
            num_pattern_heads: int, num_buffers: int) -> None:
     """Run the kernel. ``row_views``: ``(shape, strides)`` of q, k and v seen as rows (``triton_impl._row_view``);
     ``lists``: the forward's lists for ``BLOCK_M``-row query tiles and ``block_n``-key units, through
-    ``triton_impl.split_first_step``; ``problem``: ``triton_impl._Problem``."""
+    ``triton_impl.split_first_step``; ``problem``: ``triton_impl._Problem``; ``num_buffers``: the V ring's slots
+    (K's ring has one fewer)."""
     units, bits, counts = lists
     unit = min(block_size, block_n)  # keys per list entry: one TMA box
     descriptors = row_descriptors((q, k, v), row_views, (CONSUMER_ROWS, unit, unit))
@@ -444,8 +627,9 @@ def launch(q, k, v, out, lse, row_views, lists, problem, qk_scale: float, block_
         *problem.strides(lse), *units.stride()[:2], *counts.stride()[:2],
         q.shape[2], k.shape[2], qk_scale, num_q_heads // num_pattern_heads, num_q_heads // k.shape[1],
         num_q_tiles, num_q_heads, num_work,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, IS_VARLEN=problem.is_varlen, NUM_BUFFERS=num_buffers,
-        CONSUMER_REGISTERS=consumer_registers, LOADER_REGISTERS=loader_registers, num_warps=4, maxnreg=MAXNREG,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, IS_VARLEN=problem.is_varlen, NUM_K_BUFFERS=num_buffers - 1,
+        NUM_V_BUFFERS=num_buffers, CONSUMER_REGISTERS=consumer_registers, LOADER_REGISTERS=loader_registers,
+        num_warps=4, maxnreg=MAXNREG,
     )
 
 

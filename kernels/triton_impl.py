@@ -717,9 +717,9 @@ def _configs(*tiles: tuple[int, int, int]) -> list[TileConfig]:
 
 # GPU candidates per kernel and head-dim class (small: D <= 64, medium: D <= 128, large: D <= 256).
 # The GPU tests (tests/test_kernels_triton.py -m gpu) check every candidate against the reference.
-# The warp-specialized forward (hopper_fwd.py): 128-key steps, a ring of 3 K/V buffers. On an H200 they were
-# 1.05-1.14x faster than 64-key steps with 3 buffers at every shape of issue 9; with 2 buffers they took 1.08-1.24x
-# the time (bench/NOTES.md).
+# The warp-specialized forward (hopper_fwd.py): 128-key steps, a V ring of 3 slots (its K ring has 2; num_stages
+# counts V's). On an H200, 128-key steps with 3 joint K/V slots were 1.05-1.14x faster than 64-key steps at every
+# shape of issue 9; with 2 joint slots they took 1.08-1.24x the time (bench/NOTES.md).
 # Where hopper_fwd.supported; last in each list, so that S2_ATTENTION_AUTOTUNE=0 keeps the Triton forward.
 _WARP_SPECIALIZED_FWD = [TileConfig(hopper_fwd.BLOCK_M, 128, 4, 3, gluon=True)]
 # dk/dv with a GQA group's query heads shared out among 2 or 4 programs (s2_attention_bwd_dkdv_kernel), where the group
