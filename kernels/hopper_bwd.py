@@ -37,8 +37,8 @@ Deterministic, as the Triton kernel: each key tile's sums run in one consumer, i
 
 dQ (``s2_attention_bwd_dq_ws_kernel``, launched before dK/dV): the Gluon forward's structure (``hopper_fwd``: one
 persistent program per SM, work items of ``hopper_fwd.BLOCK_M = 128`` query rows claimed in order from a counter, the
-same lists, K/V ring steps of joint slots through ``hopper_fwd.load_partition``), with each item's Q, dO and O
-copied beside each other, and a consumer step of
+same lists; its own loader, ``_dq_load_partition``, with a ring of joint K/V slots), with each item's Q, dO and
+O copied beside each other, and a consumer step of
 
     S = Q K^T (lse as the initial accumulator) and dP = dO V^T issued together
     wait for S only; P = exp2(S * scale) (masked on partial steps)
@@ -64,9 +64,9 @@ if AVAILABLE:
         gl,
         gluon,
         head_origin,
-        load_partition,
         mbarrier,
         partial_visible,
+        publish_work,
         published_work,
         tma,
         warpgroup_layout,
@@ -337,6 +337,75 @@ if AVAILABLE:
 
     # ------------------------------------------------------------------------------------------------------- dQ
     @gluon.jit
+    def _copy_kv_steps(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_free, step, list_base, num_entries,
+                       k_row, k_col, v_row, v_col):
+        """Copy a query tile's K and V into the ring, a step of ``GROUP = BLOCK_N // UNIT`` list entries per slot
+        (one box of ``UNIT`` rows each; a step's missing entries repeat the last one, which the consumers mask), each
+        slot once its consumers have released it. ``k_row``, ``v_row``: the sequence's first key in the views.
+        Returns ``step`` (ring steps loaded so far) past the tile's."""
+        NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
+        BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+        UNIT: gl.constexpr = k_desc.block_type.shape[0]
+        GROUP: gl.constexpr = BLOCK_N // UNIT
+        for j in range(gl.cdiv(num_entries, GROUP)):
+            slot = step % NUM_BUFFERS
+            # A fresh mbarrier counts as having completed the phase before 0, so first passes do not wait.
+            mbarrier.wait(kv_free.index(slot), ((step // NUM_BUFFERS) & 1) ^ 1)
+            mbarrier.expect(k_ready.index(slot), GROUP * k_desc.block_type.nbytes)
+            mbarrier.expect(v_ready.index(slot), GROUP * v_desc.block_type.nbytes)
+            for member in gl.static_range(GROUP):
+                first_key = gl.load(list_base + gl.minimum(j * GROUP + member, num_entries - 1)) * UNIT
+                tma.async_copy_global_to_shared(k_desc, [k_row + first_key, k_col], k_ready.index(slot),
+                                                k_bufs.index(slot).slice(member * UNIT, UNIT))
+                tma.async_copy_global_to_shared(v_desc, [v_row + first_key, v_col], v_ready.index(slot),
+                                                v_bufs.index(slot).slice(member * UNIT, UNIT))
+            step += 1
+        return step
+
+    @gluon.jit
+    def _dq_load_partition(row_descs, row_bufs, row_strides, k_desc, v_desc, k_bufs, v_bufs, q_ready, q_free,
+                           k_ready, v_ready, kv_free, work_smem, work_counter, work_args, kv_strides,
+                           TILE: gl.constexpr, IS_VARLEN: gl.constexpr):
+        """The dq kernel's loader: claim the work items (as the forward's, ``hopper_fwd.stream_load_partition``) and
+        issue every TMA copy: per item its index (``publish_work``, read by the consumers once the rows have arrived)
+        and both consumers' halves of the query-side rows (``row_descs``, with ``row_bufs [2, ROWS, D]`` and
+        ``(batch, head, row)`` strides each: Q, dO and O), then per step the K and V of ``GROUP = BLOCK_N // UNIT``
+        list entries (``_copy_kv_steps``). After the last item, ``num_work`` as the index tells the consumers to
+        stop."""
+        num_work = work_args[0]
+        q_heads_per_kv = work_args[15]
+        stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt = kv_strides
+        ROWS: gl.constexpr = row_descs[0].block_type.shape[0]
+        step = 0  # ring steps loaded so far: slot and phase
+        iteration = 0
+        work = gl.program_id(0)  # the first item; later ones are claimed from the counter, in order
+        while work < num_work:
+            # Claimed now, used after this item's loads: the atomic's round trip hides behind them.
+            next_work = gl.num_programs(0) + gl.atomic_add(work_counter, 1, sem="relaxed")
+            seq, q_head, q_start, k_start, _, first_pos, tile_first, list_base, _, _, num_entries, _ = work_item(
+                work, work_args, TILE, IS_VARLEN, False)
+            first_row = q_start + tile_first - first_pos  # the tile's first row in its sequence's rows
+            # A fresh mbarrier counts as having completed the phase before 0, so first passes do not wait.
+            mbarrier.wait(q_free, (iteration & 1) ^ 1)
+            publish_work(work_smem, work)  # made visible to the consumers by q_ready's phase
+            mbarrier.expect(q_ready, 2 * len(row_descs) * row_descs[0].block_type.nbytes)
+            for t in gl.static_range(len(row_descs)):
+                row, col = head_origin(seq, q_head, row_strides[t][0], row_strides[t][1], row_strides[t][2])
+                for half in gl.static_range(2):
+                    tma.async_copy_global_to_shared(row_descs[t], [row + first_row + half * ROWS, col], q_ready,
+                                                    row_bufs[t].index(half))
+            kv_head = q_head // q_heads_per_kv
+            k_row, k_col = head_origin(seq, kv_head, stride_kb, stride_kh, stride_kt)
+            v_row, v_col = head_origin(seq, kv_head, stride_vb, stride_vh, stride_vt)
+            step = _copy_kv_steps(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_free, step, list_base,
+                                  num_entries, k_row + k_start, k_col, v_row + k_start, v_col)
+            iteration += 1
+            work = next_work
+        mbarrier.wait(q_free, (iteration & 1) ^ 1)  # no more items: tell the consumers
+        publish_work(work_smem, num_work)
+        mbarrier.arrive(q_ready, count=1)
+
+    @gluon.jit
     def _dq_step(acc, q_tile, do_tile, k_bufs, v_bufs, k_ready, v_ready, kv_free, step, lse_init, delta_row, j,
                  num_entries, list_base, bits_base, q_pos, block_in_tile, seqlen_k, qk_scale, MASKED: gl.constexpr,
                  UNIT: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr):
@@ -489,9 +558,9 @@ if AVAILABLE:
                 (_dq_compute_partition, (1, q_smem, do_smem, o_smem, k_bufs, v_bufs, q_ready, q_free, k_ready,
                                          v_ready, kv_free, work_smem, work_args, out_args, scale, qk_scale, 2 * ROWS,
                                          BLOCK_SIZE, UNIT, IS_VARLEN, HAS_DLSE)),
-                (load_partition, ((q_desc, do_desc, o_desc), (q_smem, do_smem, o_smem), row_strides, k_desc, v_desc,
-                                  k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, kv_free, work_smem, work_counter,
-                                  work_args, kv_strides, 2 * ROWS, IS_VARLEN, False)),
+                (_dq_load_partition, ((q_desc, do_desc, o_desc), (q_smem, do_smem, o_smem), row_strides, k_desc,
+                                      v_desc, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, kv_free, work_smem,
+                                      work_counter, work_args, kv_strides, 2 * ROWS, IS_VARLEN)),
             ],
             [4, 1],
             [CONSUMER_REGISTERS, LOADER_REGISTERS],

@@ -30,7 +30,8 @@ two heads, whose K and V blocks they share in L2); with items assigned round-rob
   so that one's softmax overlaps the other's matrix products (ping-pong). Both release each ring step once its
   ``P V`` is complete, which also frees the next step's K (its scores were issued first, and products complete in
   order). The ring steps run on across items: an item's last step issues, with its ``P V``, the next item's first
-  scores from the other Q buffer, so that no item starts with an empty queue (1.02-1.05x; bench/NOTES.md).
+  scores from the other Q buffer, so that no item starts with an empty queue (1.016-1.045x at block 64 and D=64
+  on an H100, 0.99-1.01x at blocks 32 and 128; bench/NOTES.md).
 
 Scope (``supported``): causal, 16-bit inputs, head dim 64 or 128, ``block_size >= 32``, compute capability 9.0, and
 tensors ``triton_impl._row_view`` can view as rows. Everything else stays on the Triton forward, and the tuner picks
@@ -111,77 +112,7 @@ if AVAILABLE:
         return (offset // stride_t).to(gl.int32), (offset % stride_t).to(gl.int32)
 
     @gluon.jit
-    def _copy_kv_steps(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_free, step, list_base, num_entries,
-                       k_row, k_col, v_row, v_col):
-        """Copy a query tile's K and V into the ring, a step of ``GROUP = BLOCK_N // UNIT`` list entries per slot
-        (one box of ``UNIT`` rows each; a step's missing entries repeat the last one, which the consumers mask), each
-        slot once its consumers have released it. ``k_row``, ``v_row``: the sequence's first key in the views.
-        Returns ``step`` (ring steps loaded so far) past the tile's."""
-        NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
-        BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
-        UNIT: gl.constexpr = k_desc.block_type.shape[0]
-        GROUP: gl.constexpr = BLOCK_N // UNIT
-        for j in range(gl.cdiv(num_entries, GROUP)):
-            slot = step % NUM_BUFFERS
-            # A fresh mbarrier counts as having completed the phase before 0, so first passes do not wait.
-            mbarrier.wait(kv_free.index(slot), ((step // NUM_BUFFERS) & 1) ^ 1)
-            mbarrier.expect(k_ready.index(slot), GROUP * k_desc.block_type.nbytes)
-            mbarrier.expect(v_ready.index(slot), GROUP * v_desc.block_type.nbytes)
-            for member in gl.static_range(GROUP):
-                first_key = gl.load(list_base + gl.minimum(j * GROUP + member, num_entries - 1)) * UNIT
-                tma.async_copy_global_to_shared(k_desc, [k_row + first_key, k_col], k_ready.index(slot),
-                                                k_bufs.index(slot).slice(member * UNIT, UNIT))
-                tma.async_copy_global_to_shared(v_desc, [v_row + first_key, v_col], v_ready.index(slot),
-                                                v_bufs.index(slot).slice(member * UNIT, UNIT))
-            step += 1
-        return step
-
-    @gluon.jit
-    def load_partition(row_descs, row_bufs, row_strides, k_desc, v_desc, k_bufs, v_bufs, q_ready, q_free, k_ready,
-                       v_ready, kv_free, work_smem, work_counter, work_args, kv_strides, TILE: gl.constexpr,
-                       IS_VARLEN: gl.constexpr, SPLIT_STEPS: gl.constexpr):
-        """The dq kernel's loader (``hopper_bwd``): claim the work items and issue every TMA copy: per item its index
-        (``_publish_work``, read by the consumers once the rows have arrived) and both consumers' halves of the
-        query-side rows (``row_descs``, with ``row_bufs [2, ROWS, D]`` and ``(batch, head, row)`` strides each: Q, dO
-        and O), then per step the K and V of ``GROUP = BLOCK_N // UNIT`` list entries (``_copy_kv_steps``), a split
-        step's first where the list has one (``SPLIT_STEPS``). After the last item, ``num_work`` as the index tells
-        the consumers to stop."""
-        num_work = work_args[0]
-        q_heads_per_kv = work_args[15]
-        stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt = kv_strides
-        ROWS: gl.constexpr = row_descs[0].block_type.shape[0]
-        GROUP: gl.constexpr = k_bufs.type.shape[1] // k_desc.block_type.shape[0]
-        step = 0  # ring steps loaded so far: slot and phase
-        iteration = 0
-        work = gl.program_id(0)  # the first item; later ones are claimed from the counter, in order
-        while work < num_work:
-            # Claimed now, used after this item's loads: the atomic's round trip hides behind them.
-            next_work = gl.num_programs(0) + gl.atomic_add(work_counter, 1, sem="relaxed")
-            seq, q_head, q_start, k_start, _, first_pos, tile_first, list_base, _, _, num_entries, split = work_item(
-                work, work_args, TILE, IS_VARLEN, SPLIT_STEPS)
-            first_row = q_start + tile_first - first_pos  # the tile's first row in its sequence's rows
-            # A fresh mbarrier counts as having completed the phase before 0, so first passes do not wait.
-            mbarrier.wait(q_free, (iteration & 1) ^ 1)
-            _publish_work(work_smem, work)  # made visible to the consumers by q_ready's phase
-            mbarrier.expect(q_ready, 2 * len(row_descs) * row_descs[0].block_type.nbytes)
-            for t in gl.static_range(len(row_descs)):
-                row, col = head_origin(seq, q_head, row_strides[t][0], row_strides[t][1], row_strides[t][2])
-                for half in gl.static_range(2):
-                    tma.async_copy_global_to_shared(row_descs[t], [row + first_row + half * ROWS, col], q_ready,
-                                                    row_bufs[t].index(half))
-            kv_head = q_head // q_heads_per_kv
-            k_row, k_col = head_origin(seq, kv_head, stride_kb, stride_kh, stride_kt)
-            v_row, v_col = head_origin(seq, kv_head, stride_vb, stride_vh, stride_vt)
-            step = _copy_kv_steps(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_free, step, list_base,
-                                  split * GROUP + num_entries, k_row + k_start, k_col, v_row + k_start, v_col)
-            iteration += 1
-            work = next_work
-        mbarrier.wait(q_free, (iteration & 1) ^ 1)  # no more items: tell the consumers
-        _publish_work(work_smem, num_work)
-        mbarrier.arrive(q_ready, count=1)
-
-    @gluon.jit
-    def _publish_work(work_smem, work):
+    def publish_work(work_smem, work):
         """Store work item index ``work`` for the consumers (all lanes of the loader's warp store the same value)."""
         work_smem.store(gl.full([1], work, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
 
@@ -251,8 +182,11 @@ if AVAILABLE:
     @gluon.jit
     def _copy_kv_rings(k_desc, v_desc, kv_bufs, k_ready, v_ready, free, step, list_base, num_entries, k_row, k_col,
                        v_row, v_col, NUM_K: gl.constexpr, NUM_V: gl.constexpr):
-        """As ``_copy_kv_steps``, into a K ring of ``NUM_K = NUM_V - 1`` slots and a V ring of ``NUM_V``, both gated by
-        the consumers' release of ring step ``t - NUM_V`` (``free``)."""
+        """Copy a query tile's K and V, a ring step of ``GROUP = BLOCK_N // UNIT`` list entries at a time (one box of
+        ``UNIT`` rows each; a step's missing entries repeat the last one, which the consumers mask), into a K ring of
+        ``NUM_K = NUM_V - 1`` slots and a V ring of ``NUM_V``, ring step ``t`` once the consumers have released step
+        ``t - NUM_V`` (``free``). ``k_row``, ``v_row``: the sequence's first key in the views. Returns ``step`` (ring
+        steps loaded so far) past the tile's."""
         BLOCK_N: gl.constexpr = kv_bufs.type.shape[1]
         UNIT: gl.constexpr = k_desc.block_type.shape[0]
         GROUP: gl.constexpr = BLOCK_N // UNIT
@@ -299,7 +233,7 @@ if AVAILABLE:
             first_row = q_start + tile_first - first_pos
             qb = iteration % 2
             mbarrier.wait(q_free.index(qb), ((iteration // 2) & 1) ^ 1)
-            _publish_work(work_smem.index(qb), work)
+            publish_work(work_smem.index(qb), work)
             mbarrier.expect(q_ready.index(qb), 2 * q_desc.block_type.nbytes)
             row, col = head_origin(seq, q_head, q_strides[0], q_strides[1], q_strides[2])
             for half in gl.static_range(2):
@@ -315,7 +249,7 @@ if AVAILABLE:
             work = next_work
         qb = iteration % 2
         mbarrier.wait(q_free.index(qb), ((iteration // 2) & 1) ^ 1)
-        _publish_work(work_smem.index(qb), num_work)
+        publish_work(work_smem.index(qb), num_work)
         mbarrier.arrive(q_ready.index(qb), count=1)
 
     @gluon.jit
