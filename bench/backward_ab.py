@@ -8,15 +8,19 @@ among its candidates (found first, by tuning with it reported unsupported). Each
 backward's kernels together. (Timing whole backward calls with ``triton.testing.do_bench`` instead, the same arm
 varied by up to 10% from one round to the next on an H100, more than the arms differ; the kernel times did not.) The
 JSON keeps every round and the median, and the largest difference of the arms' gradients from the first arm's,
-relative to its largest magnitude::
+relative to its largest magnitude. ``--version NAME=FILE`` adds, for each Gluon arm, the same arm run by another copy
+of ``hopper_bwd.py`` (a variant, another commit's), loaded as a module of ``s2_models.kernels``::
 
     python bench/backward_ab.py --kernel dq --out $OUT/dq_ab.json
+    python bench/backward_ab.py --kernel dq --arms gluon-3-slots,gluon-3-slots@patched \
+        --version patched=.gpu/hopper_bwd_patched.py --out $OUT/dq_versions.json
 """
 
 import argparse
 import json
 
 import torch
+from hopper_fwd_offline import load_version
 from tile_candidates import attention_inputs
 
 from s2_models.kernels import S2Pattern, hopper_bwd, triton_impl
@@ -45,7 +49,7 @@ SHAPES = [
 ]
 
 
-def measure(kind, shape, pattern_fields, model_layout, arms, rounds) -> dict:
+def measure(kind, shape, pattern_fields, model_layout, arms, rounds, versions) -> dict:
     """One shape: every arm's backward, ``rounds`` times alternated, and its gradients against the first arm's."""
     batch, q_heads, kv_heads, seqlen, head_dim = shape
     block_size, local_blocks, vert_stride = pattern_fields
@@ -69,11 +73,16 @@ def measure(kind, shape, pattern_fields, model_layout, arms, rounds) -> dict:
     finally:
         setattr(hopper_bwd, SUPPORTED[kind], supported)
     configs = {"triton": triton_impl._TUNED_CONFIGS[(kind, *tune_key, False)], **GLUON_ARMS[kind]}
+    configs.update({f"{arm}@{name}": config for arm, config in GLUON_ARMS[kind].items() for name in versions})
     key = (kind, *tune_key, True)  # the tuner's cache entry for the call, set to each arm in turn
 
     def run(arm):
         triton_impl._TUNED_CONFIGS[key] = configs[arm]
-        return backward()
+        triton_impl.hopper_bwd = versions[arm.split("@")[1]] if "@" in arm else hopper_bwd
+        try:
+            return backward()
+        finally:
+            triton_impl.hopper_bwd = hopper_bwd
 
     grads = {arm: run(arm) for arm in arms}  # compiles each arm, tunes the other kernel
     first = grads[arms[0]]
@@ -113,20 +122,24 @@ def main():
     parser.add_argument("--arms", help="comma-separated (default: triton and every Gluon arm of the kernel)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--only", default="", help="run the shapes whose name contains this")
+    parser.add_argument("--version", action="append", default=[], metavar="NAME=FILE",
+                        help="a copy of hopper_bwd.py whose Gluon arms run as <arm>@NAME (repeatable)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    arms = args.arms.split(",") if args.arms else ["triton", *GLUON_ARMS[args.kernel]]
+    versions = {name: load_version(path) for name, path in (v.split("=", 1) for v in args.version)}
+    arms = args.arms.split(",") if args.arms else [
+        "triton", *GLUON_ARMS[args.kernel], *(f"{arm}@{name}" for arm in GLUON_ARMS[args.kernel] for name in versions)]
     results = {"gpu": torch.cuda.get_device_name(), "kernel": args.kernel, "arms": arms, "shapes": {}}
     for name, shape, pattern_fields, model_layout in SHAPES:
         if args.only not in name:
             continue
-        row = measure(args.kernel, shape, pattern_fields, model_layout, arms, args.rounds)
+        row = measure(args.kernel, shape, pattern_fields, model_layout, arms, args.rounds, versions)
         results["shapes"][name] = row
         kernel, backward = row["kernel_median_ms"], row["backward_median_ms"]
         print(name, args.kernel, {arm: round(ms, 3) for arm, ms in kernel.items()},
               "backward", {arm: round(ms, 2) for arm, ms in backward.items()},
               {arm: round(backward[arms[0]] / ms, 3) for arm, ms in backward.items()}, row["dq_dk_dv_rel_diff"],
-              row["configs"]["triton"], flush=True)
+              row["configs"].get("triton", ""), flush=True)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
         torch.cuda.empty_cache()

@@ -91,9 +91,9 @@ def compile_kernel(head_dim: int, block_size: int, block_n: int = 64, num_buffer
 
 
 def load_version(path: str):
-    """A copy of ``hopper_fwd.py`` (another commit's, a variant) as a module of ``s2_models.kernels``, so that its
-    relative imports resolve."""
-    name = "s2_models.kernels._hopper_fwd_" + os.path.splitext(os.path.basename(path))[0]
+    """A copy of a kernel module (``hopper_fwd.py`` or ``hopper_bwd.py``; another commit's, a variant) as a module of
+    ``s2_models.kernels``, so that its relative imports resolve."""
+    name = "s2_models.kernels._version_" + os.path.splitext(os.path.basename(path))[0]
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
