@@ -1,4 +1,4 @@
-"""The backward with its dq or its dk/dv kernel forced, alternated in one process (GPU): the tuner's best Triton tile
+r"""The backward with its dq or its dk/dv kernel forced, alternated in one process (GPU): the tuner's best Triton tile
 against the warp-specialized Gluon kernels (``kernels/hopper_bwd.py``).
 
 ``--kernel dq`` or ``dkdv`` picks the kernel under test; the other one is the tuner's pick in every arm, so the arms
