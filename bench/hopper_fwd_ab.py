@@ -16,6 +16,10 @@ each arm's in the same round, their median and range (above 1: the arm is faster
     git show HEAD~1:kernels/hopper_fwd.py > .gpu/hopper_fwd_before.py
     python bench/hopper_fwd_ab.py --version before=.gpu/hopper_fwd_before.py --out $OUT/hopper_fwd_ab.json
     python bench/hopper_fwd_ab.py --tiles 64x3,128x2 --out $OUT/hopper_fwd_tiles.json
+
+With ``--triton-tile BMxBNxWARPSxSTAGES[xREGS]`` the arms are the Triton forward instead (``triton_impl``'s
+``s2_attention_fwd_kernel``, run with that one tile; ``REGS`` its register cap), and each ``--version`` is a copy of
+``triton_impl.py`` (e.g. the D=64 row's register-capped tile: ``--triton-tile 64x64x4x2x128 --only D=64``).
 """
 
 import argparse
@@ -55,10 +59,19 @@ def use(module, tile, programs=None) -> None:
     triton_impl._TUNED_CONFIGS.clear()
 
 
-def worst_error(module, tile) -> dict:
+def use_triton(kernel, config) -> None:
+    """Run ``kernel`` (a version's ``s2_attention_fwd_kernel``) as the only forward, with the one tile ``config``."""
+    triton_impl.s2_attention_fwd_kernel = kernel
+    for size in ("small", "medium"):
+        triton_impl._CANDIDATES[("fwd", size)] = [config]
+    triton_impl._TUNED_CONFIGS.clear()
+
+
+def worst_error(select, select_few) -> dict:
     """Worst relative error of out and lse over ERROR_CASES, against the fp32 PyTorch path (PyTorch's own bf16 path
-    beside it), with 4 programs; NaN where an output had one (a timing-only variant that skips work)."""
-    use(module, tile, programs=4)
+    beside it), with the arm ``select_few()`` forces (a Gluon arm with 4 programs); NaN where an output had one (a
+    timing-only variant that skips work)."""
+    select_few()
     worst = {"kernel_out": 0.0, "kernel_lse": 0.0, "torch_bf16_out": 0.0}
     for seed, ((batch, q_heads, kv_heads, seqlen, head_dim), block_size) in enumerate(ERROR_CASES):
         torch.manual_seed(seed)
@@ -76,7 +89,7 @@ def worst_error(module, tile) -> dict:
         for key, x, r in (("kernel_out", out, ref), ("kernel_lse", lse, ref_lse), ("torch_bf16_out", torch_out, ref)):
             error = ((x.float() - r).norm() / r.norm()).item()  # NaN where x has one
             worst[key] = max(worst[key], error, key=lambda e: math.inf if math.isnan(e) else e)
-    use(module, tile)
+    select()
     return worst
 
 
@@ -87,28 +100,43 @@ def forward_inputs(fields, batch, seqlen, q_heads, kv_heads, head_dim) -> tuple:
     return q, k, v, compare_pattern(fields, q_heads)
 
 
-def forward_ms(q, k, v, pattern) -> float:
+def forward_ms(q, k, v, pattern, kernel_name: str) -> float:
     s2_attention(q, k, v, pattern, backend="triton")  # compiles (an arm's first call), builds the lists
-    return kernel_times(lambda: s2_attention(q, k, v, pattern, backend="triton"), "fwd_ws_kernel")[0]
+    return kernel_times(lambda: s2_attention(q, k, v, pattern, backend="triton"), kernel_name)[0]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="append", default=[], metavar="NAME=PATH",
-                        help="a copy of hopper_fwd.py to compare with kernels/hopper_fwd.py (repeatable)")
+                        help="a copy of hopper_fwd.py (triton_impl.py with --triton-tile) to compare with this "
+                             "checkout's (repeatable)")
     candidate = triton_impl._WARP_SPECIALIZED_FWD[0]
     parser.add_argument("--tiles", default=f"{candidate.block_n}x{candidate.num_stages}",
                         help="KEYSxSLOTS,...: keys per step and ring slots (launch's num_buffers), an arm each "
                              "(default: the candidate's)")
+    parser.add_argument("--triton-tile", metavar="BMxBNxWARPSxSTAGES[xREGS]",
+                        help="time the Triton forward with this tile instead; versions are copies of triton_impl.py")
     parser.add_argument("--out", required=True)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--only", help="shapes whose name contains one of these (separated by ';')")
     args = parser.parse_args()
-    versions = {"current": triton_impl.hopper_fwd}
+    versions = {"current": triton_impl if args.triton_tile else triton_impl.hopper_fwd}
     versions.update((name, load_version(path)) for name, path in (v.split("=", 1) for v in args.version))
-    tiles = [tuple(int(x) for x in tile.split("x")) for tile in args.tiles.split(",")]
-    arms = {f"{name}@{block_n}x{slots}": (module, (block_n, slots))
-            for name, module in versions.items() for block_n, slots in tiles}
+    arms = {}  # name -> (a call that forces the arm, the same with few programs)
+    if args.triton_tile:
+        block_m, block_n, warps, stages, *registers = (int(x) for x in args.triton_tile.split("x"))
+        config = triton_impl.TileConfig(block_m, block_n, warps, stages, max_registers=(registers or [None])[0])
+        current_kernel = triton_impl.s2_attention_fwd_kernel  # the checkout's, before any arm replaces it
+        for name, module in versions.items():
+            kernel = current_kernel if module is triton_impl else module.s2_attention_fwd_kernel
+            arms[f"{name}@{args.triton_tile}"] = (lambda k=kernel: use_triton(k, config),) * 2
+        kernel_name = "s2_attention_fwd_kernel"
+    else:
+        for name, module in versions.items():
+            for block_n, slots in (tuple(int(x) for x in tile.split("x")) for tile in args.tiles.split(",")):
+                arms[f"{name}@{block_n}x{slots}"] = (lambda m=module, t=(block_n, slots): use(m, t),
+                                                     lambda m=module, t=(block_n, slots): use(m, t, programs=4))
+        kernel_name = "fwd_ws_kernel"
     results = {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
                "errors": {name: worst_error(*arm) for name, arm in arms.items()}, "ms": {}}
     print(json.dumps(results["errors"]), flush=True)
@@ -121,8 +149,8 @@ def main():
             # A round's arms run back to back, in turn first, so that the clocks' drift within a call (up to ~10%
             # between rounds on an H100) falls mostly between rounds, not between the arms a ratio compares.
             for name in list(arms)[:: 1 if round_ % 2 == 0 else -1]:
-                use(*arms[name])
-                runs[name].append(round(forward_ms(*inputs), 3))
+                arms[name][0]()
+                runs[name].append(round(forward_ms(*inputs, kernel_name), 3))
                 print(round_, name, shape_name, runs[name][-1], flush=True)
         del inputs
         torch.cuda.empty_cache()

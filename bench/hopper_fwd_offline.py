@@ -17,6 +17,7 @@ import importlib.util
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 import torch
@@ -96,6 +97,7 @@ def load_version(path: str):
     name = "s2_models.kernels._version_" + os.path.splitext(os.path.basename(path))[0]
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there (triton_impl's TileConfig)
     spec.loader.exec_module(module)
     return module
 

@@ -267,7 +267,7 @@ if AVAILABLE:
         lse_row = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453, -float("inf"))  # ln
         gl.store(lse_head + rows * stride_lt, lse_row, mask=row_real)
         out_head = out + seq.to(gl.int64) * stride_ob + q_head.to(gl.int64) * stride_oh
-        out_tile = acc / gl.convert_layout(l_safe, rows_o)[:, None]
+        out_tile = acc * gl.convert_layout(1.0 / l_safe, rows_o)[:, None]  # a division a row, not an element
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         gl.store(out_head + gl.convert_layout(rows, rows_o)[:, None] * stride_ot + cols[None, :],
                  out_tile.to(out.dtype.element_ty), mask=gl.convert_layout(row_real, rows_o)[:, None])

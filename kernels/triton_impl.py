@@ -254,7 +254,8 @@ def s2_attention_fwd_kernel(
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
     out_head = out + seq.to(tl.int64) * stride_ob + q_head.to(tl.int64) * stride_oh
-    _store_rows(out_head, acc / l_safe[:, None], rows, row_real, stride_ot, stride_od, HEAD_DIM, BLOCK_D)
+    out_tile = acc * (1.0 / l_safe)[:, None]  # a division a row, not an element
+    _store_rows(out_head, out_tile, rows, row_real, stride_ot, stride_od, HEAD_DIM, BLOCK_D)
     lse_row = tl.where(seen, (m_i * qk_scale + tl.math.log2(l_safe)) / 1.4426950408889634, -float("inf"))  # ln
     lse_head = lse + seq.to(tl.int64) * stride_lb + q_head.to(tl.int64) * stride_lh
     tl.store(lse_head + rows.to(tl.int64) * stride_lt, lse_row, mask=row_real)
