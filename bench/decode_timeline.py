@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from bench_generation import copy_bandwidth, full_caches, graph_seconds, streaming_sum_kernel
-from decode_ab import launch, load_version, sparse_layout
+from decode_ab import launch, sparse_layout
+from source_patches import patched_module
 
 from s2_models.kernels.triton_setup import tl, triton
 
@@ -58,23 +59,15 @@ PATCHES = [
      "    global TRACE\n"
      "    TRACE = torch.full((num_splits * num_row_tiles * b * hkv, 8), -1, dtype=torch.int64, device=q.device)\n"),
     ("tables.residues, tables.rank, tables.counts, out, partial, lse, split_counters,", " TRACE,"),
+    ('        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:',
+     "        if arrived == num_splits - 1:", "replace"),
+    ("# Tile heights independent", STAMP, "before"),
 ]
 
 
 def instrumented_kernel(directory: str):
     """A copy of the decode kernel's module with the timeline stamps (``module.TRACE`` after each launch)."""
-    source = KERNEL.read_text()
-    source = source.replace("# Tile heights independent", STAMP + "# Tile heights independent", 1)
-    for anchor, insert, *before in PATCHES:
-        if source.count(anchor) != 1:
-            raise RuntimeError(f"the kernel changed: anchor not found once: {anchor!r}")
-        source = source.replace(anchor, insert + anchor if before else anchor + insert)
-    source = source.replace(
-        '        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:',
-        "        if arrived == num_splits - 1:")
-    path = Path(directory, "decode_timeline_kernel.py")
-    path.write_text(source)
-    return load_version(str(path))
+    return patched_module(KERNEL, PATCHES, directory)
 
 
 def phases(trace: np.ndarray) -> dict:

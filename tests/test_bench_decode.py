@@ -51,7 +51,7 @@ def test_chunk_read_sums_every_element_once(programs, block):
 
 def test_timeline_patches_apply_to_the_current_kernel(tmp_path):
     module = decode_timeline.instrumented_kernel(str(tmp_path))  # raises if an anchor is gone
-    source = (tmp_path / "decode_timeline_kernel.py").read_text()
+    source = (tmp_path / "decode_triton_instrumented.py").read_text()
     assert source.count("_stamp(trace_row,") == 5 and "if arrived == num_splits - 1:" in source
     assert hasattr(module, "_stamp") and hasattr(module, "s2_decode_fwd_kernel")
 
