@@ -33,18 +33,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 from pathlib import Path
 
-os.environ["S2_ATTENTION_AUTOTUNE"] = "0"  # the one forced candidate
+import numpy as np
+import torch
+from hopper_fwd_ab import SHAPES, forward_inputs, use  # (importing it turns the tuner off: the forced candidate runs)
+from source_patches import patched_module
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from hopper_fwd_ab import SHAPES, forward_inputs, use  # noqa: E402
-from source_patches import patched_module  # noqa: E402
-
-from s2_models.kernels import s2_attention  # noqa: E402
+from s2_models.kernels import s2_attention
 
 KERNEL = Path(__file__).resolve().parents[1] / "kernels" / "hopper_fwd.py"
 ITEMS = 512  # items stamped per program (16 x 8192: ~248 a program)
