@@ -20,7 +20,7 @@ import argparse
 import json
 
 import torch
-from hopper_fwd_offline import load_version
+from kernel_versions import load_version
 from tile_candidates import attention_inputs
 
 from s2_models.kernels import S2Pattern, hopper_bwd, triton_impl

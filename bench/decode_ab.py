@@ -18,12 +18,10 @@ modules of ``s2_models.kernels`` so that their relative imports resolve::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import json
-import os
-import sys
 
+import kernel_versions
 import torch
 from bench_generation import SHAPES, build, copy_bandwidth, full_caches, graph_seconds, prefill
 
@@ -32,13 +30,8 @@ from s2_models.static_cache_s2_llama import S2StaticCache
 
 
 def load_version(path: str):
-    """A copy of ``decode_triton.py`` as a module of ``s2_models.kernels`` (registered, as dataclasses need)."""
-    name = "s2_models.kernels._decode_" + os.path.splitext(os.path.basename(path))[0]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    """A copy of ``decode_triton.py`` as a module of ``s2_models.kernels`` (``kernel_versions.load_version``)."""
+    return kernel_versions.load_version(path, "_decode_")
 
 
 def sparse_layout():

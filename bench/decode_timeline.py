@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from bench_generation import copy_bandwidth, full_caches, graph_seconds, streaming_sum_kernel
 from decode_ab import launch, sparse_layout
-from source_patches import patched_module
+from kernel_versions import patched_module
 
 from s2_models.kernels.triton_setup import tl, triton
 

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from backward_ab import kernel_times  # noqa: E402
 from bench_s2_attention import COMPARE_SHAPES, compare_pattern  # noqa: E402
-from hopper_fwd_offline import load_version  # noqa: E402
+from kernel_versions import load_version  # noqa: E402
 
 from s2_models.kernels import S2Pattern, s2_attention, triton_impl  # noqa: E402
 

@@ -13,15 +13,14 @@ CUDA libraries are not needed) and this package installed::
 
 import argparse
 import collections
-import importlib.util
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
 import torch
 import triton
+from kernel_versions import load_version
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.driver import ty_to_cpp
 from triton.runtime import driver
@@ -89,17 +88,6 @@ def compile_kernel(head_dim: int, block_size: int, block_n: int = 64, num_buffer
     finally:
         hopper_fwd.s2_attention_fwd_ws_kernel, hopper_fwd._num_sms = kernel, num_sms
     return compiled[0]
-
-
-def load_version(path: str):
-    """A copy of a kernel module (``hopper_fwd.py`` or ``hopper_bwd.py``; another commit's, a variant) as a module of
-    ``s2_models.kernels``, so that its relative imports resolve."""
-    name = "s2_models.kernels._version_" + os.path.splitext(os.path.basename(path))[0]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there (triton_impl's TileConfig)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _tool(name: str) -> str:

@@ -1,8 +1,8 @@
 """Where the warp-specialized forward's item boundaries go: per-item timelines of its partitions (GPU).
 
-``kernels/hopper_fwd.py``'s kernel, instrumented (a copy, patched below: ``source_patches``): every consumer stores
-``%globaltimer`` at six events of each work item, the loader at three, into ``TRACE [programs, ITEMS, 16]`` (the
-first ``ITEMS`` items of each program). Consumer ``c``'s slots ``6c + e``:
+``kernels/hopper_fwd.py``'s kernel, instrumented (a copy, patched below through ``kernel_versions``): every consumer
+stores ``%globaltimer`` at six events of each work item, the loader at three, into ``TRACE [programs, ITEMS, 16]``
+(the first ``ITEMS`` items of each program). Consumer ``c``'s slots ``6c + e``:
 
 * ``e = 0`` its loop's last regular step released (the item's boundary begins);
 * ``1`` the next item decoded (its Q has arrived, its counts loaded);
@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from hopper_fwd_ab import SHAPES, forward_inputs, use  # (importing it turns the tuner off: the forced candidate runs)
-from source_patches import patched_module
+from kernel_versions import patched_module
 
 from s2_models.kernels import s2_attention
 
@@ -65,7 +65,7 @@ STAMP = f'''
 
 '''
 CONSUMER = "consumer * 6 + "
-# (anchor, text[, "before"]): see source_patches.patched_source. The trace's parameter, the loader's stamps, the launch.
+# (anchor, text[, "before"]): kernel_versions.patched_source. The trace's parameter, the loader's stamps, the launch.
 BASE_PATCHES = [
     ("\n\ndef supported(", STAMP, "before"),
     ("        work_counter,  # int32 [1], zero: work items claimed after each program's first\n",

@@ -1,10 +1,23 @@
-"""Instrumented copies of a kernel module: text inserted at anchors of its source, each anchor checked (GPU tools)."""
+"""Other versions of a kernel module, for the GPU tools that compare or instrument kernels: a copy (another commit's,
+a variant) loaded beside the package's, and instrumented copies, text inserted at anchors of its source."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
 from pathlib import Path
 
-from hopper_fwd_offline import load_version
+
+def load_version(path: str, prefix: str = "_version_"):
+    """The module at ``path`` (a copy of one of ``kernels/``' modules) as a module of ``s2_models.kernels`` named
+    ``prefix`` + its file's name, so that its relative imports resolve."""
+    name = "s2_models.kernels." + prefix + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there (triton_impl's TileConfig)
+    spec.loader.exec_module(module)
+    return module
 
 
 def patched_source(source: str, patches: list[tuple], name: str = "the kernel") -> str:
