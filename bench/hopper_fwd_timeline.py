@@ -12,21 +12,24 @@ stores ``%globaltimer`` at six events of each work item, the loader at three, in
 * ``5`` (at the next item's index) that item's start done: its split step's products and first softmax, so its
   loop may begin.
 
-The loader's slots: ``12`` item claimed and decoded, ``13`` its Q copy issued (after the Q buffer was freed), ``14``
+The loader's slots: ``12`` item decoded (its claim read; since the twenty-ninth session that happens while the
+item before it runs), ``13`` its Q copy issued (after the Q buffer was freed), ``14``
 its last K/V copy issued; ``15`` holds the item's regular steps times 2, plus 1 with a split step. A stamp is read
 only once the scalar it follows exists (the read is predicated on it); where that scalar does not order the read
 after a product's wait, the SASS does (``bench/hopper_fwd_offline.py --kernel-file`` compiles a patched copy). Per
 shape, the percentiles of each segment in microseconds, the loop's step time, each boundary in steps, and how far
 the loader runs ahead. The consumers' six events are stamped four at a time (``EVENT_SETS``, one instrumented copy
 and run each): all six at once spill inside the step loop, the measured thing. Offline (sm_90, D=128, block 64) each
-set leaves both step loops as HEAD's (806 and 807 instructions, no spill access) and the shared memory as HEAD's;
-the boundary code spills more (244 bytes against 112), which the boundary's segments include. Each
+set leaves both step loops as the kernel's (806 instructions each, no spill access) and the shared memory as the
+kernel's; the boundary code spills more (284-292 bytes against 100), which the boundary's segments include. Each
 ``SR_GLOBALTIMER`` read follows the wait it stands for in the SASS (the last products' ``WARPGROUP.DEPBAR`` before
-event 3, the loop's last one before 0)::
+event 3, the loop's last one before 0) and precedes the next one (event 2 comes before the wait for the next
+scores)::
 
     python bench/hopper_fwd_timeline.py --only "block 64, T=8192;block 64, T=32768" --out $OUT/timeline.json
 
-Prepared in the twenty-eighth session (2026-11-27) and compiled offline only: not yet run on a GPU.
+Prepared in the twenty-eighth session; first run on an H100 in the twenty-ninth (2026-11-27), on that session's
+kernels (``bench/results/hopper_fwd_timeline_*session29*.json``; what they showed: bench/NOTES.md).
 """
 
 from __future__ import annotations
@@ -75,14 +78,17 @@ BASE_PATCHES = [
     ("                (stream_load_partition, (", "trace, "),
     ("    def _compute_partition(consumer: gl.constexpr, ", "trace, "),
     ("    def stream_load_partition(", "trace, "),
-    ("                work, work_args, TILE, IS_VARLEN, True)\n",
-     "            _stamp(trace, iteration, 12, num_entries, 1)\n"
-     "            row, mask = _timeline_row(trace, iteration, 1)\n"
-     "            regular_steps = gl.cdiv(num_entries, GROUP)\n"
-     "            gl.store(row + 15, gl.full([1], regular_steps * 2 + split, gl.int64, row.type.layout), mask=mask)\n"),
+    # The next item's stamps (it is decoded while this one runs).
+    ("             n_num_entries, n_split) = work_item(gl.minimum(work, num_work - 1), work_args, TILE, IS_VARLEN, "
+     "True)\n",
+     "            _stamp(trace, iteration + 1, 12, n_num_entries, 1)\n"
+     "            row, mask = _timeline_row(trace, iteration + 1, 1)\n"
+     "            regular_steps = gl.cdiv(n_num_entries, GROUP)\n"
+     "            gl.store(row + 15, gl.full([1], regular_steps * 2 + n_split, gl.int64, row.type.layout), "
+     "mask=mask)\n"),
     ("            kv_head = q_head // q_heads_per_kv\n", "            _stamp(trace, iteration, 13, qb, 1)\n", "before"),
-    ("            iteration += 1\n            work = next_work\n        qb = iteration % 2\n",
-     "            _stamp(trace, iteration, 14, step, 1)\n", "before"),
+    ("            iteration += 1\n            seq = n_seq\n", "            _stamp(trace, iteration, 14, step, 1)\n",
+     "before"),
     ("    s2_attention_fwd_ws_kernel[grid](\n",
      "    global TRACE\n"
      f"    TRACE = torch.full((grid[0], {ITEMS}, 16), -1, dtype=torch.int64, device=q.device)\n", "before"),

@@ -19,11 +19,11 @@ its next item from a counter, so the items in flight are always neighbours in th
 two heads, whose K and V blocks they share in L2); with items assigned round-robin, programs drift apart, and at
 16 x 8192 the L2 hit rate fell to 61% (bench/NOTES.md). Partitions:
 
-* loader (1 warp, ``stream_load_partition``): claims the items; per item its index (for the consumers) and Q, into
-  one of two Q buffers (item ``n`` in buffer ``n % 2``, copied while item ``n - 1`` runs), then per ring step the K
-  and V of ``BLOCK_N // UNIT`` list entries (``UNIT = min(block_size, BLOCK_N)`` keys each, one TMA box each) into a
-  K ring of ``NUM_V_BUFFERS - 1`` slots and a V ring of ``NUM_V_BUFFERS`` (the second Q buffer takes what a third K
-  slot would: at D = 128 shared memory holds 7 tiles of 32 KB);
+* loader (1 warp, ``stream_load_partition``): claims the items; per item its index and list counts (for the
+  consumers) and Q, into one of two Q buffers (item ``n`` in buffer ``n % 2``, copied while item ``n - 1`` runs),
+  then per ring step the K and V of ``BLOCK_N // UNIT`` list entries (``UNIT = min(block_size, BLOCK_N)`` keys each,
+  one TMA box each) into a K ring of ``NUM_V_BUFFERS - 1`` slots and a V ring of ``NUM_V_BUFFERS`` (the second Q
+  buffer takes what a third K slot would: at D = 128 shared memory holds 7 tiles of 32 KB);
 * two consumers (4 warps each, 64 query rows each), in FlashAttention-3's order: a step issues the next step's
   ``S = Q K^T`` and this step's ``O += P V`` as asynchronous warp-group matrix products on the shared-memory tiles,
   then computes the next step's online softmax (base 2, fp32) while they run; the two consumers take turns to issue,
@@ -68,6 +68,9 @@ MAXNREG = 168
 REGISTERS = {64: (232, 40), 128: (240, 24)}
 
 if AVAILABLE:
+    # The loader reads its claim of the next work item, and decodes that item, after this many ring steps of the
+    # current one (stream_load_partition).
+    CLAIM_AFTER = gl.constexpr(1)
 
     @gluon.constexpr_function
     def warpgroup_layout(columns):
@@ -75,11 +78,10 @@ if AVAILABLE:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, columns, 16])
 
     @gluon.jit
-    def work_item(work, work_args, TILE: gl.constexpr, IS_VARLEN: gl.constexpr, SPLIT_STEPS: gl.constexpr):
+    def item_fields(work, work_args, TILE: gl.constexpr, IS_VARLEN: gl.constexpr):
         """Work item ``work`` (tiles fastest, then heads, then sequences; the latest, heaviest tile of a head first):
-        its sequence, query head, where its sequence starts and ends, and its list (with ``SPLIT_STEPS``, lists from
-        ``triton_impl.split_first_step``, whose third count says whether a split step comes first; else that count
-        is 0). ``work_args``: the kernel's
+        its sequence, query head, where its sequence starts and ends, where its list starts, and where its list's
+        counts are (``list_counts``). ``work_args``: the kernel's
         ``(num_work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists, unit_bits,
         unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, q_heads_per_kv)``."""
         (_, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists, unit_bits,
@@ -96,13 +98,29 @@ if AVAILABLE:
         counts = unit_counts + pattern_head.to(gl.int64) * stride_cp + tile.to(gl.int64) * stride_ct
         # A tile past a (varlen) sequence's end runs no step; its rows are not stored.
         has_rows = (seqlen_q > 0) & (tile * TILE < seqlen_k)
+        return (seq, q_head, q_start, k_start, seqlen_k, first_pos, tile * TILE, unit_lists + list_offset,
+                unit_bits + list_offset, counts, has_rows)
+
+    @gluon.jit
+    def list_counts(counts, has_rows, SPLIT_STEPS: gl.constexpr):
+        """A work item's list counts (``item_fields``): ``(num_full, num_entries, split)``, with ``SPLIT_STEPS`` lists
+        from ``triton_impl.split_first_step``, whose third count says whether a split step comes first (else 0)."""
         num_full = gl.load(counts, mask=has_rows, other=0)
         num_entries = gl.load(counts + 1, mask=has_rows, other=0)
         split = 0
         if SPLIT_STEPS:
             split = gl.load(counts + 2, mask=has_rows, other=0)
-        return (seq, q_head, q_start, k_start, seqlen_k, first_pos, tile * TILE, unit_lists + list_offset,
-                unit_bits + list_offset, num_full, num_entries, split)
+        return num_full, num_entries, split
+
+    @gluon.jit
+    def work_item(work, work_args, TILE: gl.constexpr, IS_VARLEN: gl.constexpr, SPLIT_STEPS: gl.constexpr):
+        """``item_fields`` with the counts loaded: ``(seq, q_head, q_start, k_start, seqlen_k, first_pos, tile_first,
+        list_base, bits_base, num_full, num_entries, split)``."""
+        (seq, q_head, q_start, k_start, seqlen_k, first_pos, tile_first, list_base, bits_base, counts,
+         has_rows) = item_fields(work, work_args, TILE, IS_VARLEN)
+        num_full, num_entries, split = list_counts(counts, has_rows, SPLIT_STEPS)
+        return (seq, q_head, q_start, k_start, seqlen_k, first_pos, tile_first, list_base, bits_base, num_full,
+                num_entries, split)
 
     @gluon.jit
     def head_origin(seq, head, stride_b, stride_h, stride_t):
@@ -120,6 +138,24 @@ if AVAILABLE:
     def published_work(work_smem):
         """The work item index the loader published (read by a 4-warp consumer after waiting for ``q_ready``)."""
         return gl.max(work_smem.load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
+
+    @gluon.jit
+    def publish_item(record, work, num_full, num_entries, split):
+        """Store work item ``work`` and its list counts in ``record`` (``[4]`` int32 of shared memory) for the
+        consumers, which then do not load the counts (an L2 round trip, on their path from one item to the next)."""
+        fields = gl.arange(0, 4, layout=gl.BlockedLayout([4], [32], [1], [0]))
+        record.store(gl.where(fields == 0, work, gl.where(fields == 1, num_full,
+                                                          gl.where(fields == 2, num_entries, split))))
+
+    @gluon.jit
+    def published_item(record):
+        """What ``publish_item`` stored (read by a 4-warp consumer after waiting for the item's ``q_ready``):
+        ``(work, num_full, num_entries, split)``."""
+        layout: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+        values = record.load(layout)
+        fields = gl.arange(0, 4, layout=layout)
+        return (gl.sum(gl.where(fields == 0, values, 0), axis=0), gl.sum(gl.where(fields == 1, values, 0), axis=0),
+                gl.sum(gl.where(fields == 2, values, 0), axis=0), gl.sum(gl.where(fields == 3, values, 0), axis=0))
 
     @gluon.jit
     def consumer_rows(tile_first, consumer: gl.constexpr, ROWS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
@@ -180,18 +216,18 @@ if AVAILABLE:
         mbarrier.arrive(free.index((ring_step + 1) % NUM_V), count=1, pred=pred)
 
     @gluon.jit
-    def _copy_kv_rings(k_desc, v_desc, kv_bufs, k_ready, v_ready, free, step, list_base, num_entries, k_row, k_col,
-                       v_row, v_col, NUM_K: gl.constexpr, NUM_V: gl.constexpr):
-        """Copy a query tile's K and V, a ring step of ``GROUP = BLOCK_N // UNIT`` list entries at a time (one box of
-        ``UNIT`` rows each; a step's missing entries repeat the last one, which the consumers mask), into a K ring of
-        ``NUM_K = NUM_V - 1`` slots and a V ring of ``NUM_V``, ring step ``t`` once the consumers have released step
-        ``t - NUM_V`` (``free``). ``k_row``, ``v_row``: the sequence's first key in the views. Returns ``step`` (ring
-        steps loaded so far) past the tile's."""
+    def _copy_kv_rings(k_desc, v_desc, kv_bufs, k_ready, v_ready, free, step, first, last, list_base, num_entries,
+                       k_row, k_col, v_row, v_col, NUM_K: gl.constexpr, NUM_V: gl.constexpr):
+        """Copy ring steps ``[first, last)`` of a query tile's K and V, a step of ``GROUP = BLOCK_N // UNIT`` list
+        entries (one box of ``UNIT`` rows each; a step's missing entries repeat the last one, which the consumers
+        mask), into a K ring of ``NUM_K = NUM_V - 1`` slots and a V ring of ``NUM_V``, ring step ``t`` once the
+        consumers have released step ``t - NUM_V`` (``free``). ``k_row``, ``v_row``: the sequence's first key in the
+        views. Returns ``step`` (ring steps loaded so far) past the copied ones."""
         BLOCK_N: gl.constexpr = kv_bufs.type.shape[1]
         UNIT: gl.constexpr = k_desc.block_type.shape[0]
         GROUP: gl.constexpr = BLOCK_N // UNIT
         gl.static_assert(NUM_K == NUM_V - 1, "a step's release frees its V and the next step's K")
-        for j in range(gl.cdiv(num_entries, GROUP)):
+        for j in range(first, last):
             # Ring step t's K reuses step t - NUM_K's slot, its V step t - NUM_V's: both free once the consumers
             # release ring step t - NUM_V (``_release``).
             mbarrier.wait(free.index((step + 1) % NUM_V), (((step + 1) // NUM_V) & 1) ^ 1)
@@ -211,13 +247,32 @@ if AVAILABLE:
         return step
 
     @gluon.jit
+    def _claim_issue(work_counter):
+        """Issue the claim of the next work item: an atomic add on ``work_counter`` by lane 0 of the loader's warp,
+        whose result ``_claimed`` reads later, so that its L2 round trip overlaps the copies issued meanwhile
+        (``gl.atomic_add`` broadcasts its result to the warp at once, which waits for it). Relaxed: with acq_rel,
+        a ``MEMBAR.ALL.GPU`` would precede it."""
+        lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+        return gl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.eq.s32 p, $2, 0; mov.u32 $0, 0; @p atom.relaxed.gpu.global.add.u32 $0, [$1], 1; }",
+            "=r,l,r", [work_counter + lanes, lanes], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _claimed(claim):
+        """The claim counter's value before ``_claim_issue``'s add (lane 0's result, the others' are 0)."""
+        return gl.sum(claim, axis=0)
+
+    @gluon.jit
     def stream_load_partition(q_desc, q_smem, q_strides, k_desc, v_desc, kv_bufs, q_ready, q_free, k_ready, v_ready,
                               free, work_smem, work_counter, work_args, kv_strides, TILE: gl.constexpr,
                               IS_VARLEN: gl.constexpr, NUM_K: gl.constexpr, NUM_V: gl.constexpr):
-        """The forward's loader: claim the work items; per item publish its index and copy its Q into buffer
-        ``n % 2`` (once item ``n - 2`` has released it), then its ring steps (``_copy_kv_rings``, a split step's
-        first where the list has one), numbered on across items. After the last item, ``num_work`` as the index tells
-        the consumers to stop."""
+        """The forward's loader: claim the work items; per item publish its index and list counts
+        (``publish_item``) and copy its Q into buffer ``n % 2`` (once item ``n - 2`` has released it), then its ring
+        steps (``_copy_kv_rings``, a split step's first where the list has one), numbered on across items. The next
+        item's claim is issued at each item's start and read after its first ``CLAIM_AFTER`` ring steps, where that
+        item is decoded too: both L2 round trips (the atomic's, the counts') then pass while the consumers run this
+        item, not at its end, where they delayed the next item's Q and first K (1.03x at 16 x 8192 and D=64 on an
+        H100; bench/NOTES.md). After the last item, ``num_work`` as the index tells the consumers to stop."""
         num_work = work_args[0]
         q_heads_per_kv = work_args[15]
         stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt = kv_strides
@@ -226,14 +281,14 @@ if AVAILABLE:
         step = 0
         iteration = 0
         work = gl.program_id(0)
+        seq, q_head, q_start, k_start, _, first_pos, tile_first, list_base, _, num_full, num_entries, split = work_item(
+            gl.minimum(work, num_work - 1), work_args, TILE, IS_VARLEN, True)
         while work < num_work:
-            next_work = gl.num_programs(0) + gl.atomic_add(work_counter, 1, sem="relaxed")
-            seq, q_head, q_start, k_start, _, first_pos, tile_first, list_base, _, _, num_entries, split = work_item(
-                work, work_args, TILE, IS_VARLEN, True)
+            claim = _claim_issue(work_counter)
             first_row = q_start + tile_first - first_pos
             qb = iteration % 2
             mbarrier.wait(q_free.index(qb), ((iteration // 2) & 1) ^ 1)
-            publish_work(work_smem.index(qb), work)
+            publish_item(work_smem.index(qb), work, num_full, num_entries, split)
             mbarrier.expect(q_ready.index(qb), 2 * q_desc.block_type.nbytes)
             row, col = head_origin(seq, q_head, q_strides[0], q_strides[1], q_strides[2])
             for half in gl.static_range(2):
@@ -242,14 +297,31 @@ if AVAILABLE:
             kv_head = q_head // q_heads_per_kv
             k_row, k_col = head_origin(seq, kv_head, stride_kb, stride_kh, stride_kt)
             v_row, v_col = head_origin(seq, kv_head, stride_vb, stride_vh, stride_vt)
-            step = _copy_kv_rings(k_desc, v_desc, kv_bufs, k_ready, v_ready, free, step, list_base,
-                                  split * GROUP + num_entries, k_row + k_start, k_col, v_row + k_start, v_col, NUM_K,
-                                  NUM_V)
+            entries = split * GROUP + num_entries
+            num_steps = gl.cdiv(entries, GROUP)
+            claim_after = gl.minimum(num_steps, CLAIM_AFTER)
+            step = _copy_kv_rings(k_desc, v_desc, kv_bufs, k_ready, v_ready, free, step, 0, claim_after, list_base,
+                                  entries, k_row + k_start, k_col, v_row + k_start, v_col, NUM_K, NUM_V)
+            # The next item, claimed at this one's start, is decoded while the consumers run this item's steps.
+            work = gl.num_programs(0) + _claimed(claim)
+            (n_seq, n_q_head, n_q_start, n_k_start, _, n_first_pos, n_tile_first, n_list_base, _, n_num_full,
+             n_num_entries, n_split) = work_item(gl.minimum(work, num_work - 1), work_args, TILE, IS_VARLEN, True)
+            step = _copy_kv_rings(k_desc, v_desc, kv_bufs, k_ready, v_ready, free, step, claim_after, num_steps,
+                                  list_base, entries, k_row + k_start, k_col, v_row + k_start, v_col, NUM_K, NUM_V)
             iteration += 1
-            work = next_work
+            seq = n_seq
+            q_head = n_q_head
+            q_start = n_q_start
+            k_start = n_k_start
+            first_pos = n_first_pos
+            tile_first = n_tile_first
+            list_base = n_list_base
+            num_full = n_num_full
+            num_entries = n_num_entries
+            split = n_split
         qb = iteration % 2
         mbarrier.wait(q_free.index(qb), ((iteration // 2) & 1) ^ 1)
-        publish_work(work_smem.index(qb), num_work)
+        publish_item(work_smem.index(qb), num_work, 0, 0, 0)  # the stop: an item without entries
         mbarrier.arrive(q_ready.index(qb), count=1)
 
     @gluon.jit
@@ -378,9 +450,9 @@ if AVAILABLE:
         iteration = 0
         pending = 1  # whether the release of ring step step - 1 is owed (see the boundary; at first, step -1's)
         mbarrier.wait(q_ready.index(0), 0)
-        work = published_work(work_smem.index(0))
-        (seq, q_head, q_start, _, seqlen_k_seq, first_pos, tile_first, split_base, split_bits, num_full,
-         num_entries, split) = work_item(gl.minimum(work, num_work - 1), work_args, TILE, IS_VARLEN, True)
+        work, num_full, num_entries, split = published_item(work_smem.index(0))
+        (seq, q_head, q_start, _, seqlen_k_seq, first_pos, tile_first, split_base, split_bits, _,
+         _) = item_fields(gl.minimum(work, num_work - 1), work_args, TILE, IS_VARLEN)
         q_pos, block_in_tile = consumer_rows(tile_first, consumer, ROWS, BLOCK_SIZE, rows_s)
         p, alpha, m_i, l_i, acc, step = _item_start(
             consumer, q_smem.index(consumer), kv_bufs, k_ready, v_ready, free,
@@ -413,10 +485,9 @@ if AVAILABLE:
             # The next item (its Q was copied while this one ran).
             next_qb = (iteration + 1) % 2
             mbarrier.wait(q_ready.index(next_qb), ((iteration + 1) // 2) & 1)
-            next_work = published_work(work_smem.index(next_qb))
-            (n_seq, n_q_head, n_q_start, _, n_seqlen_k_seq, n_first_pos, n_tile_first, n_split_base, n_split_bits,
-             n_num_full, n_num_entries, n_split) = work_item(gl.minimum(next_work, num_work - 1), work_args, TILE,
-                                                              IS_VARLEN, True)
+            next_work, n_num_full, n_num_entries, n_split = published_item(work_smem.index(next_qb))
+            (n_seq, n_q_head, n_q_start, _, n_seqlen_k_seq, n_first_pos, n_tile_first, n_split_base, n_split_bits, _,
+             _) = item_fields(gl.minimum(next_work, num_work - 1), work_args, TILE, IS_VARLEN)
             n_num_entries = n_num_entries * (next_work < num_work)
             has_first = n_num_entries > 0
             s_first = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
@@ -491,7 +562,8 @@ if AVAILABLE:
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [4] + q_desc.block_type.shape, q_desc.layout)
         kv_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_K_BUFFERS + NUM_V_BUFFERS, BLOCK_N, HEAD_DIM],
                                             k_desc.layout)
-        work_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        # Per Q buffer, its item's index and list counts (publish_item).
+        work_smem = gl.allocate_shared_memory(gl.int32, [2, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
