@@ -16,6 +16,9 @@ each arm's in the same round, their median and range (above 1: the arm is faster
     git show HEAD~1:kernels/hopper_fwd.py > .gpu/hopper_fwd_before.py
     python bench/hopper_fwd_ab.py --version before=.gpu/hopper_fwd_before.py --out $OUT/hopper_fwd_ab.json
     python bench/hopper_fwd_ab.py --tiles 64x3,128x2 --out $OUT/hopper_fwd_tiles.json
+    python bench/hopper_fwd_ab.py --without-split-steps --only "T=8192;T=32768" --out $OUT/hopper_fwd_split.json
+
+With ``--without-split-steps`` every arm also runs on lists without split steps (``plain_lists``), an arm each.
 
 With ``--triton-tile BMxBNxWARPSxSTAGES[xREGS]`` the arms are the Triton forward instead (``triton_impl``'s
 ``s2_attention_fwd_kernel``, run with that one tile; ``REGS`` its register cap), and each ``--version`` is a copy of
@@ -44,11 +47,20 @@ ERROR_CASES = [((2, 8, 2, 1999, 128), 64), ((1, 8, 8, 3001, 64), 128), ((2, 4, 2
 
 
 ONE_PER_SM = {}  # module -> its own _num_sms
+SPLIT_FIRST_STEP = triton_impl.split_first_step
 
 
-def use(module, tile, programs=None) -> None:
+def plain_lists(units, bits, counts, group: int, blocks_per_tile: int):
+    """``triton_impl.split_first_step`` for an arm without split steps: the lists as built, every tile's split count
+    0 (what ``split_first_step`` returns where no split can be made)."""
+    return units, bits, torch.cat([counts, torch.zeros_like(counts[..., :1])], -1)
+
+
+def use(module, tile, programs=None, split_steps: bool = True) -> None:
     """Run ``module``'s kernel as the only forward candidate, with ``tile = (keys per step, ring slots)`` (with
-    ``programs`` programs, or one per SM)."""
+    ``programs`` programs, or one per SM), on lists with split steps or without (``plain_lists``)."""
+    triton_impl.split_first_step = SPLIT_FIRST_STEP if split_steps else plain_lists
+    triton_impl._UNIT_LIST_CACHE.clear()  # lists built for the other kind of arm
     triton_impl.hopper_fwd = module
     ONE_PER_SM.setdefault(module, module._num_sms)
     module._num_sms = (lambda device: programs) if programs else ONE_PER_SM[module]
@@ -119,6 +131,8 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--only", help="shapes whose name contains one of these (separated by ';')")
+    parser.add_argument("--without-split-steps", action="store_true",
+                        help="also run every arm on lists without split steps (an arm each)")
     args = parser.parse_args()
     versions = {"current": triton_impl if args.triton_tile else triton_impl.hopper_fwd}
     versions.update((name, load_version(path)) for name, path in (v.split("=", 1) for v in args.version))
@@ -134,8 +148,10 @@ def main():
     else:
         for name, module in versions.items():
             for block_n, slots in (tuple(int(x) for x in tile.split("x")) for tile in args.tiles.split(",")):
-                arms[f"{name}@{block_n}x{slots}"] = (lambda m=module, t=(block_n, slots): use(m, t),
-                                                     lambda m=module, t=(block_n, slots): use(m, t, programs=4))
+                for split in (True, False) if args.without_split_steps else (True,):
+                    arm = f"{name}@{block_n}x{slots}" + ("" if split else "-no-split")
+                    arms[arm] = (lambda m=module, t=(block_n, slots), s=split: use(m, t, split_steps=s),
+                                 lambda m=module, t=(block_n, slots), s=split: use(m, t, programs=4, split_steps=s))
         kernel_name = "fwd_ws_kernel"
     results = {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
                "errors": {name: worst_error(*arm) for name, arm in arms.items()}, "ms": {}}

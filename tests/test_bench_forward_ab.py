@@ -1,0 +1,39 @@
+"""bench/hopper_fwd_ab.py on the CPU: the lists of its arms without split steps."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import hopper_fwd_ab  # noqa: E402
+
+from s2_models.kernels import S2Pattern, triton_impl  # noqa: E402
+
+
+def test_lists_without_split_steps_are_the_built_lists_with_split_count_zero(monkeypatch):
+    """An arm without split steps gets the forward's lists as built, in the layout the kernel reads (a third count,
+    0 for every tile), where the split lists of the same pattern do have split steps."""
+    pattern = S2Pattern(block_size=64, local_blocks=5, vert_stride=3)
+    blocks = 3000 // 64
+    args = (64, True, 128, 64, 2, True)  # block size, causal, tile, unit, group, resident_is_query
+    built = triton_impl.build_unit_lists(pattern.block_mask(4, blocks, blocks), *args[:2], tile=128, unit=64, group=2,
+                                         resident_is_query=True)
+    split = triton_impl.split_first_step(*built, 2, 2)
+    assert split[2][..., 2].sum() > 0  # the pattern has split steps to leave out
+    units, bits, counts = hopper_fwd_ab.plain_lists(*built, 2, 2)
+    assert torch.equal(units, built[0]) and torch.equal(bits, built[1])
+    assert counts.shape == split[2].shape and torch.equal(counts[..., :2], built[2])
+    assert not counts[..., 2].any()
+    # use() swaps it in for the arm's list builds (the tuner's state it also sets is restored after the test)
+    monkeypatch.setattr(triton_impl, "split_first_step", triton_impl.split_first_step)
+    monkeypatch.setattr(triton_impl, "hopper_fwd", triton_impl.hopper_fwd)
+    monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", type(triton_impl._TUNED_CONFIGS)(triton_impl._TUNED_CONFIGS))
+    for size in ("small", "medium"):
+        monkeypatch.setitem(triton_impl._CANDIDATES, ("fwd", size), triton_impl._CANDIDATES[("fwd", size)])
+    arm_kernel = type("ArmKernel", (), {"BLOCK_M": 128, "_num_sms": staticmethod(lambda device: 132)})
+    hopper_fwd_ab.use(arm_kernel, (128, 3), split_steps=False)
+    assert triton_impl.split_first_step is hopper_fwd_ab.plain_lists
+    layout = type("Layout", (), {"block_mask": pattern.block_mask(4, blocks, blocks), "block_size": 64,
+                                 "causal": True, "cache_key": None})()
+    assert not triton_impl._unit_lists(layout, 128, 128, True, split_first=True)[2][..., 2].any()
