@@ -5,7 +5,8 @@ stores ``%globaltimer`` at six events of each work item, the loader at three, in
 (the first ``ITEMS`` items of each program). Consumer ``c``'s slots ``6c + e``:
 
 * ``e = 0`` its loop's last regular step released (the item's boundary begins);
-* ``1`` the next item decoded (its Q has arrived, its counts loaded);
+* ``1`` the next item decoded (its Q has arrived, its counts read: loaded before the twenty-ninth session, published
+  by the loader since);
 * ``2`` the last step's products issued (the next item's first scores and this item's last ``P V``);
 * ``3`` both complete;
 * ``4`` the output rows stored (issued);

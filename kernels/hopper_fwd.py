@@ -249,9 +249,11 @@ if AVAILABLE:
     @gluon.jit
     def _claim_issue(work_counter):
         """Issue the claim of the next work item: an atomic add on ``work_counter`` by lane 0 of the loader's warp,
-        whose result ``_claimed`` reads later, so that its L2 round trip overlaps the copies issued meanwhile
-        (``gl.atomic_add`` broadcasts its result to the warp at once, which waits for it). Relaxed: with acq_rel,
-        a ``MEMBAR.ALL.GPU`` would precede it."""
+        whose result ``_claimed`` reads later, so that its L2 round trip overlaps the copies issued meanwhile.
+        ``gl.atomic_add`` cannot: ptxas compiles an atomic whose address is the same in every lane as one aggregated
+        atomic whose result is shuffled to the warp right after it, a wait for the round trip where it is issued.
+        Hence the lane-dependent address ``work_counter + lane``: only lane 0's add executes (the predicate), the
+        others' addresses are never accessed. Relaxed: with acq_rel, a ``MEMBAR.ALL.GPU`` would precede it."""
         lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
         return gl.inline_asm_elementwise(
             "{ .reg .pred p; setp.eq.s32 p, $2, 0; mov.u32 $0, 0; @p atom.relaxed.gpu.global.add.u32 $0, [$1], 1; }",
