@@ -58,7 +58,11 @@ def plain_lists(units, bits, counts, group: int, blocks_per_tile: int):
 
 def use(module, tile, programs=None, split_steps: bool = True) -> None:
     """Run ``module``'s kernel as the only forward candidate, with ``tile = (keys per step, ring slots)`` (with
-    ``programs`` programs, or one per SM), on lists with split steps or without (``plain_lists``)."""
+    ``programs`` programs, or one per SM), on lists with split steps or without (``plain_lists``). A version whose
+    kernel takes other work items can say so: its ``AB_TILE`` replaces ``tile``, and ``SPLIT_STEPS = False`` gives it
+    lists without split steps (its tile is ``BLOCK_M`` rows in any case)."""
+    tile = getattr(module, "AB_TILE", tile)
+    split_steps = split_steps and getattr(module, "SPLIT_STEPS", True)
     triton_impl.split_first_step = SPLIT_FIRST_STEP if split_steps else plain_lists
     triton_impl._UNIT_LIST_CACHE.clear()  # lists built for the other kind of arm
     triton_impl.hopper_fwd = module
@@ -147,7 +151,8 @@ def main():
         kernel_name = "s2_attention_fwd_kernel"
     else:
         for name, module in versions.items():
-            for block_n, slots in (tuple(int(x) for x in tile.split("x")) for tile in args.tiles.split(",")):
+            for tile in args.tiles.split(","):
+                block_n, slots = getattr(module, "AB_TILE", tuple(int(x) for x in tile.split("x")))  # as use() runs it
                 for split in (True, False) if args.without_split_steps else (True,):
                     arm = f"{name}@{block_n}x{slots}" + ("" if split else "-no-split")
                     arms[arm] = (lambda m=module, t=(block_n, slots), s=split: use(m, t, split_steps=s),

@@ -37,3 +37,20 @@ def test_lists_without_split_steps_are_the_built_lists_with_split_count_zero(mon
     layout = type("Layout", (), {"block_mask": pattern.block_mask(4, blocks, blocks), "block_size": 64,
                                  "causal": True, "cache_key": None})()
     assert not triton_impl._unit_lists(layout, 128, 128, True, split_first=True)[2][..., 2].any()
+
+
+def test_a_version_may_fix_its_own_tile_and_lists(monkeypatch):
+    """A version whose kernel takes other work items (``AB_TILE``, ``SPLIT_STEPS = False``, its own ``BLOCK_M``) is
+    timed with them, whatever tile the command line gives the other arms."""
+    monkeypatch.setattr(triton_impl, "split_first_step", triton_impl.split_first_step)
+    monkeypatch.setattr(triton_impl, "hopper_fwd", triton_impl.hopper_fwd)
+    monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", type(triton_impl._TUNED_CONFIGS)(triton_impl._TUNED_CONFIGS))
+    for size in ("small", "medium"):
+        monkeypatch.setitem(triton_impl._CANDIDATES, ("fwd", size), triton_impl._CANDIDATES[("fwd", size)])
+    arm_kernel = type("ArmKernel", (), {"BLOCK_M": 64, "AB_TILE": (64, 3), "SPLIT_STEPS": False,
+                                        "_num_sms": staticmethod(lambda device: 132)})
+    hopper_fwd_ab.use(arm_kernel, (128, 3))
+    assert triton_impl.split_first_step is hopper_fwd_ab.plain_lists
+    for size in ("small", "medium"):
+        (config,) = triton_impl._CANDIDATES[("fwd", size)]
+        assert (config.block_m, config.block_n, config.num_stages, config.gluon) == (64, 64, 3, True)
