@@ -1,8 +1,9 @@
-"""bench/hopper_fwd_ab.py on the CPU: the lists of its arms without split steps."""
+"""bench/hopper_fwd_ab.py on the CPU: the lists of its arms without split steps, and a version's own tile and lists."""
 
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -11,7 +12,17 @@ import hopper_fwd_ab  # noqa: E402
 from s2_models.kernels import S2Pattern, triton_impl  # noqa: E402
 
 
-def test_lists_without_split_steps_are_the_built_lists_with_split_count_zero(monkeypatch):
+@pytest.fixture
+def arm_state(monkeypatch):
+    """The tuner's and list builder's state that ``hopper_fwd_ab.use`` sets, restored after the test."""
+    monkeypatch.setattr(triton_impl, "split_first_step", triton_impl.split_first_step)
+    monkeypatch.setattr(triton_impl, "hopper_fwd", triton_impl.hopper_fwd)
+    monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", type(triton_impl._TUNED_CONFIGS)(triton_impl._TUNED_CONFIGS))
+    for size in ("small", "medium"):
+        monkeypatch.setitem(triton_impl._CANDIDATES, ("fwd", size), triton_impl._CANDIDATES[("fwd", size)])
+
+
+def test_lists_without_split_steps_are_the_built_lists_with_split_count_zero(arm_state):
     """An arm without split steps gets the forward's lists as built, in the layout the kernel reads (a third count,
     0 for every tile), where the split lists of the same pattern do have split steps."""
     pattern = S2Pattern(block_size=64, local_blocks=5, vert_stride=3)
@@ -25,12 +36,7 @@ def test_lists_without_split_steps_are_the_built_lists_with_split_count_zero(mon
     assert torch.equal(units, built[0]) and torch.equal(bits, built[1])
     assert counts.shape == split[2].shape and torch.equal(counts[..., :2], built[2])
     assert not counts[..., 2].any()
-    # use() swaps it in for the arm's list builds (the tuner's state it also sets is restored after the test)
-    monkeypatch.setattr(triton_impl, "split_first_step", triton_impl.split_first_step)
-    monkeypatch.setattr(triton_impl, "hopper_fwd", triton_impl.hopper_fwd)
-    monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", type(triton_impl._TUNED_CONFIGS)(triton_impl._TUNED_CONFIGS))
-    for size in ("small", "medium"):
-        monkeypatch.setitem(triton_impl._CANDIDATES, ("fwd", size), triton_impl._CANDIDATES[("fwd", size)])
+    # use() swaps it in for the arm's list builds
     arm_kernel = type("ArmKernel", (), {"BLOCK_M": 128, "_num_sms": staticmethod(lambda device: 132)})
     hopper_fwd_ab.use(arm_kernel, (128, 3), split_steps=False)
     assert triton_impl.split_first_step is hopper_fwd_ab.plain_lists
@@ -39,14 +45,9 @@ def test_lists_without_split_steps_are_the_built_lists_with_split_count_zero(mon
     assert not triton_impl._unit_lists(layout, 128, 128, True, split_first=True)[2][..., 2].any()
 
 
-def test_a_version_may_fix_its_own_tile_and_lists(monkeypatch):
+def test_a_version_may_fix_its_own_tile_and_lists(arm_state):
     """A version whose kernel takes other work items (``AB_TILE``, ``SPLIT_STEPS = False``, its own ``BLOCK_M``) is
     timed with them, whatever tile the command line gives the other arms."""
-    monkeypatch.setattr(triton_impl, "split_first_step", triton_impl.split_first_step)
-    monkeypatch.setattr(triton_impl, "hopper_fwd", triton_impl.hopper_fwd)
-    monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", type(triton_impl._TUNED_CONFIGS)(triton_impl._TUNED_CONFIGS))
-    for size in ("small", "medium"):
-        monkeypatch.setitem(triton_impl._CANDIDATES, ("fwd", size), triton_impl._CANDIDATES[("fwd", size)])
     arm_kernel = type("ArmKernel", (), {"BLOCK_M": 64, "AB_TILE": (64, 3), "SPLIT_STEPS": False,
                                         "_num_sms": staticmethod(lambda device: 132)})
     hopper_fwd_ab.use(arm_kernel, (128, 3))
