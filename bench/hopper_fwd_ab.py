@@ -10,7 +10,8 @@ versions are copies of ``hopper_fwd.py`` (another commit's, or variants); each i
 ``s2_models.kernels`` so that its relative imports resolve; a version must read the lists this checkout's
 ``triton_impl`` builds for it (since the twenty-third session, ``split_first_step``'s: an older file would read a
 split step as an ordinary one and fail its error check). Each version runs with each ``--tiles`` entry (keys per step
-x ring slots, as that version's ``launch`` reads ``num_buffers``), one arm each; ratios are the first arm's time over
+x ring slots, as that version's ``launch`` reads ``num_buffers``; without ``--tiles``, the package's tile for each head
+dim), one arm each; ratios are the first arm's time over
 each arm's in the same round, their median and range (above 1: the arm is faster)::
 
     git show HEAD~1:kernels/hopper_fwd.py > .gpu/hopper_fwd_before.py
@@ -57,8 +58,9 @@ def plain_lists(units, bits, counts, group: int, blocks_per_tile: int):
 
 
 def use(module, tile, programs=None, split_steps: bool = True) -> None:
-    """Run ``module``'s kernel as the only forward candidate, with ``tile = (keys per step, ring slots)`` (with
-    ``programs`` programs, or one per SM), on lists with split steps or without (``plain_lists``). A version whose
+    """Run ``module``'s kernel as the only forward candidate, with ``tile = (keys per step, ring slots)`` (``None``:
+    each head-dim class's tile of ``triton_impl._WARP_SPECIALIZED_FWD``) (with ``programs`` programs, or one per SM),
+    on lists with split steps or without (``plain_lists``). A version whose
     kernel takes other work items can say so: its ``AB_TILE`` replaces ``tile``, and ``SPLIT_STEPS = False`` gives it
     lists without split steps (its tile is ``BLOCK_M`` rows in any case)."""
     tile = getattr(module, "AB_TILE", tile)
@@ -68,8 +70,9 @@ def use(module, tile, programs=None, split_steps: bool = True) -> None:
     triton_impl.hopper_fwd = module
     ONE_PER_SM.setdefault(module, module._num_sms)
     module._num_sms = (lambda device: programs) if programs else ONE_PER_SM[module]
-    block_n, num_buffers = tile
     for size in ("small", "medium"):
+        package = triton_impl._WARP_SPECIALIZED_FWD[size][0]
+        block_n, num_buffers = tile or (package.block_n, package.num_stages)
         triton_impl._CANDIDATES[("fwd", size)] = [triton_impl.TileConfig(module.BLOCK_M, block_n, 4, num_buffers,
                                                                          True)]
     triton_impl._TUNED_CONFIGS.clear()
@@ -126,10 +129,8 @@ def main():
     parser.add_argument("--version", action="append", default=[], metavar="NAME=PATH",
                         help="a copy of hopper_fwd.py (triton_impl.py with --triton-tile) to compare with this "
                              "checkout's (repeatable)")
-    candidate = triton_impl._WARP_SPECIALIZED_FWD[0]
-    parser.add_argument("--tiles", default=f"{candidate.block_n}x{candidate.num_stages}",
-                        help="KEYSxSLOTS,...: keys per step and ring slots (launch's num_buffers), an arm each "
-                             "(default: the candidate's)")
+    parser.add_argument("--tiles", help="KEYSxSLOTS,...: keys per step and ring slots (launch's num_buffers), an arm "
+                                         "each (default: the package's tile for each head dim)")
     parser.add_argument("--triton-tile", metavar="BMxBNxWARPSxSTAGES[xREGS]",
                         help="time the Triton forward with this tile instead; versions are copies of triton_impl.py")
     parser.add_argument("--out", required=True)
@@ -151,12 +152,12 @@ def main():
         kernel_name = "s2_attention_fwd_kernel"
     else:
         for name, module in versions.items():
-            for tile in args.tiles.split(","):
-                block_n, slots = getattr(module, "AB_TILE", tuple(int(x) for x in tile.split("x")))  # as use() runs it
+            for tile in args.tiles.split(",") if args.tiles else [None]:
+                tile = getattr(module, "AB_TILE", tile and tuple(int(x) for x in tile.split("x")))  # as use() runs it
                 for split in (True, False) if args.without_split_steps else (True,):
-                    arm = f"{name}@{block_n}x{slots}" + ("" if split else "-no-split")
-                    arms[arm] = (lambda m=module, t=(block_n, slots), s=split: use(m, t, split_steps=s),
-                                 lambda m=module, t=(block_n, slots), s=split: use(m, t, programs=4, split_steps=s))
+                    arm = name + (f"@{tile[0]}x{tile[1]}" if tile else "") + ("" if split else "-no-split")
+                    arms[arm] = (lambda m=module, t=tile, s=split: use(m, t, split_steps=s),
+                                 lambda m=module, t=tile, s=split: use(m, t, programs=4, split_steps=s))
         kernel_name = "fwd_ws_kernel"
     results = {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
                "errors": {name: worst_error(*arm) for name, arm in arms.items()}, "ms": {}}

@@ -79,7 +79,7 @@ for dtype in (torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.flo
         linear_swiglu(x, *(torch.randn(70, 300, device=DEVICE, dtype=dtype) for _ in "gu"))
 if DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0):
     for size in ("small", "medium"):
-        triton_impl._CANDIDATES[("fwd", size)] = triton_impl._WARP_SPECIALIZED_FWD
+        triton_impl._CANDIDATES[("fwd", size)] = triton_impl._WARP_SPECIALIZED_FWD[size]
         triton_impl._CANDIDATES[("dq", size)] = triton_impl._GLUON_DQ
     for pattern, t, d in [
         (S2Pattern(64, 2, 3), 77, 64),

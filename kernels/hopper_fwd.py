@@ -23,15 +23,19 @@ two heads, whose K and V blocks they share in L2); with items assigned round-rob
   consumers) and Q, into one of two Q buffers (item ``n`` in buffer ``n % 2``, copied while item ``n - 1`` runs),
   then per ring step the K and V of ``BLOCK_N // UNIT`` list entries (``UNIT = min(block_size, BLOCK_N)`` keys each,
   one TMA box each) into a K ring of ``NUM_V_BUFFERS - 1`` slots and a V ring of ``NUM_V_BUFFERS`` (the second Q
-  buffer takes what a third K slot would: at D = 128 shared memory holds 7 tiles of 32 KB);
+  buffer takes what a third K slot would: at D = 128 shared memory holds 7 tiles of 32 KB; at D = 64, 6 V slots);
 * two consumers (4 warps each, 64 query rows each), in FlashAttention-3's order: a step issues the next step's
   ``S = Q K^T`` and this step's ``O += P V`` as asynchronous warp-group matrix products on the shared-memory tiles,
-  then computes the next step's online softmax (base 2, fp32) while they run; the two consumers take turns to issue,
-  so that one's softmax overlaps the other's matrix products (ping-pong). Both release each ring step once its
-  ``P V`` is complete, which also frees the next step's K (its scores were issued first, and products complete in
-  order). The ring steps run on across items: an item's last step issues, with its ``P V``, the next item's first
-  scores from the other Q buffer, so that no item starts with an empty queue (1.016-1.045x at block 64 and D=64
-  on an H100, 0.99-1.01x at blocks 32 and 128; bench/NOTES.md).
+  then computes the next step's online softmax (base 2, fp32) while they run, and the other consumer's products.
+  Both release each ring step once its ``P V`` is complete, which also frees the next step's K (its scores were
+  issued first, and products complete in order). The ring steps run on across items: an item's last step issues,
+  with its ``P V``, the next item's first scores from the other Q buffer, so that no item starts with an empty queue
+  (1.016-1.045x at block 64 and D=64 on an H100, 0.99-1.01x at blocks 32 and 128; bench/NOTES.md).
+  The consumers do not take turns (FlashAttention-3's ping-pong measured 1.00x here): the second one starts as far
+  behind the first as the ring allows (``_start_second_consumer``, ``NUM_V_BUFFERS - 2`` ring steps), so that their
+  item boundaries (the epilogue and the next item's first softmax, with little to issue to the tensor cores) fall
+  at different times and each runs under the other's steps. With 6 slots at D = 64 that is 1.045x on an H100; with
+  D = 128's 3 slots, one step, 1.00x (bench/NOTES.md).
 
 Scope (``supported``): causal, 16-bit inputs, head dim 64 or 128, ``block_size >= 32``, compute capability 9.0, and
 tensors ``triton_impl._row_view`` can view as rows. Everything else stays on the Triton forward, and the tuner picks
@@ -347,18 +351,15 @@ if AVAILABLE:
                  out_tile.to(out.dtype.element_ty), mask=gl.convert_layout(row_real, rows_o)[:, None])
 
     @gluon.jit
-    def _values(acc, alpha, p, kv_bufs, v_ready, v_slot, v_phase, turns, turn, consumer: gl.constexpr,
-                NUM_K: gl.constexpr):
-        """Issue ``O = alpha O + P V`` with the V in slot ``v_slot`` (asynchronous: wait with ``warpgroup_mma_wait``),
-        then hand the turn to the other consumer: ``(acc, turn + 1)``."""
+    def _values(acc, alpha, p, kv_bufs, v_ready, v_slot, v_phase, NUM_K: gl.constexpr):
+        """Issue ``O = alpha O + P V`` with the V in slot ``v_slot`` (asynchronous: wait with
+        ``warpgroup_mma_wait``)."""
         o_layout: gl.constexpr = acc.type.layout
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         mbarrier.wait(v_ready.index(v_slot - NUM_K), v_phase)
-        acc = warpgroup_mma(gl.convert_layout(p.to(kv_bufs.dtype), p_layout), kv_bufs.index(v_slot), acc,
-                            is_async=True)
-        mbarrier.arrive(turns.index(1 - consumer), count=1)
-        return acc, turn + 1
+        return warpgroup_mma(gl.convert_layout(p.to(kv_bufs.dtype), p_layout), kv_bufs.index(v_slot), acc,
+                             is_async=True)
 
     @gluon.jit
     def _item_start(consumer: gl.constexpr, q_tile, kv_bufs, k_ready, v_ready, free, s_first, prefetched, pending,
@@ -429,16 +430,28 @@ if AVAILABLE:
         return p, alpha, m_i, l_i, acc, step
 
     @gluon.jit
-    def _compute_partition(consumer: gl.constexpr, q_smem, kv_bufs, q_ready, q_free, k_ready, v_ready, free, turns,
-                           work_smem, work_args, out_args, qk_scale, TILE: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                           UNIT: gl.constexpr, IS_VARLEN: gl.constexpr, NUM_K: gl.constexpr, NUM_V: gl.constexpr):
+    def _start_second_consumer(second_start, started, needed):
+        """Consumer 0 lets consumer 1 start (``second_start``) right before its first wait that may depend on consumer
+        1 (``needed``): for a ring step's K ``NUM_V - 1`` or more steps on (the loader copies ring step ``t`` once both
+        consumers have released step ``t - NUM_V``), or for the Q of the program's third item or later (copied once
+        both have released the first's). Consumer 1 then runs ``NUM_V - 2`` ring steps behind, as far as the ring
+        allows. ``started``: whether it has (0 or 1); returns it."""
+        start = (started == 0) & needed
+        mbarrier.arrive(second_start, count=1, pred=start)
+        return started | start.to(gl.int32)
+
+    @gluon.jit
+    def _compute_partition(consumer: gl.constexpr, q_smem, kv_bufs, q_ready, q_free, k_ready, v_ready, free,
+                           second_start, work_smem, work_args, out_args, qk_scale, TILE: gl.constexpr,
+                           BLOCK_SIZE: gl.constexpr, UNIT: gl.constexpr, IS_VARLEN: gl.constexpr, NUM_K: gl.constexpr,
+                           NUM_V: gl.constexpr):
         """Consumer ``consumer`` (0 or 1): rows ``consumer * ROWS ...`` of each work item's query tile.
 
-        Per item: ``_item_start`` (split step, first softmax), the step loop over all regular steps but the last
-        (FlashAttention-3's order; the two consumers take turns to issue, the ``turns`` barriers), then the last step,
-        which issues with its ``P V`` the next item's first regular ``Q K^T`` from the other Q buffer. Where there is
-        none (no next item, or one without steps), that product reads the last step's V instead and is discarded, so
-        that the code has one path. Then the epilogue, while the other consumer's products run."""
+        Consumer 1 starts when consumer 0 lets it (``_start_second_consumer``). Per item: ``_item_start`` (split
+        step, first softmax), the step loop over all regular steps but the last (FlashAttention-3's order), then the
+        last step, which issues with its ``P V`` the next item's first regular ``Q K^T`` from the other Q buffer.
+        Where there is none (no next item, or one without steps), that product reads the last step's V instead and is
+        discarded, so that the code has one path. Then the epilogue, while the other consumer's steps run."""
         num_work = work_args[0]
         ROWS: gl.constexpr = q_smem.type.shape[1]
         BLOCK_N: gl.constexpr = kv_bufs.type.shape[1]
@@ -448,9 +461,11 @@ if AVAILABLE:
         o_layout: gl.constexpr = warpgroup_layout(HEAD_DIM)
         rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         step = 0
-        turn = 0
         iteration = 0
         pending = 1  # whether the release of ring step step - 1 is owed (see the boundary; at first, step -1's)
+        started = 0  # consumer 0: whether it has let consumer 1 start
+        if consumer == 1:
+            mbarrier.wait(second_start, 0)
         mbarrier.wait(q_ready.index(0), 0)
         work, num_full, num_entries, split = published_item(work_smem.index(0))
         (seq, q_head, q_start, _, seqlen_k_seq, first_pos, tile_first, split_base, split_bits, _,
@@ -468,14 +483,14 @@ if AVAILABLE:
             bits_base = split_bits + split * GROUP
             num_steps = gl.cdiv(num_entries, GROUP)
             for j in range(num_steps - 1):
-                # Consumer 0 goes first (a fresh barrier lets its first wait pass).
-                mbarrier.wait(turns.index(consumer), (turn & 1) ^ (1 - consumer))
+                if consumer == 0:
+                    started = _start_second_consumer(second_start, started, step + 1 >= NUM_V - 1)
                 k_slot, k_phase = _kv_slot(step + 1, False, NUM_K, NUM_V)
                 mbarrier.wait(k_ready.index(k_slot), k_phase)
                 s = warpgroup_mma(q_tile, kv_bufs.index(k_slot).permute((1, 0)),
                                   gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
                 v_slot, v_phase = _kv_slot(step, True, NUM_K, NUM_V)
-                acc, turn = _values(acc, alpha, p, kv_bufs, v_ready, v_slot, v_phase, turns, turn, consumer, NUM_K)
+                acc = _values(acc, alpha, p, kv_bufs, v_ready, v_slot, v_phase, NUM_K)
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
                 if num_full >= 0:  # always: the branch keeps ptxas from moving the wait for P V above the softmax
                     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j + 1, num_full, num_entries, list_base,
@@ -486,6 +501,8 @@ if AVAILABLE:
                 step += 1
             # The next item (its Q was copied while this one ran).
             next_qb = (iteration + 1) % 2
+            if consumer == 0:
+                started = _start_second_consumer(second_start, started, iteration + 1 >= 2)
             mbarrier.wait(q_ready.index(next_qb), ((iteration + 1) // 2) & 1)
             next_work, n_num_full, n_num_entries, n_split = published_item(work_smem.index(next_qb))
             (n_seq, n_q_head, n_q_start, _, n_seqlen_k_seq, n_first_pos, n_tile_first, n_split_base, n_split_bits, _,
@@ -498,13 +515,14 @@ if AVAILABLE:
                 # The last step: its P V, with the next item's first regular scores (or a discarded product).
                 v_slot, v_phase = _kv_slot(step, True, NUM_K, NUM_V)
                 first_slot, first_phase = _kv_slot(step + 1 + n_split, False, NUM_K, NUM_V)
+                if consumer == 0:
+                    started = _start_second_consumer(second_start, started, step + 1 + n_split >= NUM_V - 1)
                 mbarrier.wait(k_ready.index(first_slot), first_phase, pred=has_first)
                 first_slot = gl.where(has_first, first_slot, v_slot)  # else a discarded product on the last V
-                mbarrier.wait(turns.index(consumer), (turn & 1) ^ (1 - consumer))
                 s_next = warpgroup_mma(q_smem.index(next_qb * 2 + consumer),
                                        kv_bufs.index(first_slot).permute((1, 0)),
                                        gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-                acc, turn = _values(acc, alpha, p, kv_bufs, v_ready, v_slot, v_phase, turns, turn, consumer, NUM_K)
+                acc = _values(acc, alpha, p, kv_bufs, v_ready, v_slot, v_phase, NUM_K)
                 s_first = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 # The next ring step's K was read by s_next only where it is a plain first step; else the release
@@ -531,11 +549,15 @@ if AVAILABLE:
             num_entries = n_num_entries
             split = n_split
             q_pos, block_in_tile = consumer_rows(tile_first, consumer, ROWS, BLOCK_SIZE, rows_s)
+            if consumer == 0:  # (where the last step prefetched nothing, _item_start reads the first K)
+                started = _start_second_consumer(second_start, started, step + split >= NUM_V - 1)
             p, alpha, m_i, l_i, acc, step = _item_start(
                 consumer, q_smem.index(next_qb * 2 + consumer), kv_bufs, k_ready, v_ready, free, s_first, prefetched,
                 pending, step, split_base, split_bits, num_full, num_entries, split, q_pos, block_in_tile,
                 seqlen_k_seq, qk_scale, UNIT, NUM_K, NUM_V)
             pending = pending * (num_entries == 0)  # paid by _item_start unless the item has no steps
+        if consumer == 0:
+            started = _start_second_consumer(second_start, started, True)  # a program with too few steps to wait
 
     @gluon.jit
     def s2_attention_fwd_ws_kernel(
@@ -566,7 +588,7 @@ if AVAILABLE:
                                             k_desc.layout)
         # Per Q buffer, its item's index and list counts (publish_item).
         work_smem = gl.allocate_shared_memory(gl.int32, [2, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        second_start = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [NUM_K_BUFFERS, 1], mbarrier.MBarrierLayout())
@@ -575,7 +597,7 @@ if AVAILABLE:
         for b in gl.static_range(2):
             mbarrier.init(q_ready.index(b), count=1)
             mbarrier.init(q_free.index(b), count=2)  # both consumers release Q
-            mbarrier.init(turns.index(b), count=1)
+        mbarrier.init(second_start, count=1)
         for slot in gl.static_range(NUM_K_BUFFERS):
             mbarrier.init(k_ready.index(slot), count=1)
         for slot in gl.static_range(NUM_V_BUFFERS):
@@ -590,12 +612,12 @@ if AVAILABLE:
         kv_strides = (stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt)
         gl.warp_specialize(
             [
-                (_compute_partition, (0, q_smem, kv_bufs, q_ready, q_free, k_ready, v_ready, free, turns, work_smem,
-                                      work_args, out_args, qk_scale, TILE, BLOCK_SIZE, UNIT, IS_VARLEN, NUM_K_BUFFERS,
-                                      NUM_V_BUFFERS)),
-                (_compute_partition, (1, q_smem, kv_bufs, q_ready, q_free, k_ready, v_ready, free, turns, work_smem,
-                                      work_args, out_args, qk_scale, TILE, BLOCK_SIZE, UNIT, IS_VARLEN, NUM_K_BUFFERS,
-                                      NUM_V_BUFFERS)),
+                (_compute_partition, (0, q_smem, kv_bufs, q_ready, q_free, k_ready, v_ready, free, second_start,
+                                      work_smem, work_args, out_args, qk_scale, TILE, BLOCK_SIZE, UNIT, IS_VARLEN,
+                                      NUM_K_BUFFERS, NUM_V_BUFFERS)),
+                (_compute_partition, (1, q_smem, kv_bufs, q_ready, q_free, k_ready, v_ready, free, second_start,
+                                      work_smem, work_args, out_args, qk_scale, TILE, BLOCK_SIZE, UNIT, IS_VARLEN,
+                                      NUM_K_BUFFERS, NUM_V_BUFFERS)),
                 (stream_load_partition, (q_desc, q_smem, (stride_qb, stride_qh, stride_qt), k_desc, v_desc, kv_bufs,
                                          q_ready, q_free, k_ready, v_ready, free, work_smem, work_counter, work_args,
                                          kv_strides, TILE, IS_VARLEN, NUM_K_BUFFERS, NUM_V_BUFFERS)),

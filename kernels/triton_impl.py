@@ -718,11 +718,16 @@ def _configs(*tiles: tuple[int, int, int]) -> list[TileConfig]:
 
 # GPU candidates per kernel and head-dim class (small: D <= 64, medium: D <= 128, large: D <= 256).
 # The GPU tests (tests/test_kernels_triton.py -m gpu) check every candidate against the reference.
-# The warp-specialized forward (hopper_fwd.py): 128-key steps, a V ring of 3 slots (its K ring has 2; num_stages
-# counts V's). On an H200, 128-key steps with 3 joint K/V slots were 1.05-1.14x faster than 64-key steps at every
-# shape of issue 9; with 2 joint slots they took 1.08-1.24x the time (bench/NOTES.md).
+# The warp-specialized forward (hopper_fwd.py) per head-dim class: 128-key steps, a V ring of 3 slots at D = 128 (its
+# K ring has 2; num_stages counts V's: what shared memory holds) and of 6 at D = 64, whose slack lets the second
+# consumer run 4 ring steps behind the first. On an H200, 128-key steps with 3 joint K/V slots were 1.05-1.14x faster
+# than 64-key steps at every shape of issue 9; with 2 joint slots they took 1.08-1.24x the time; on an H100 the
+# 6-slot ring with the lag 1.045x the 3-slot one at both D = 64 shapes (bench/NOTES.md).
 # Where hopper_fwd.supported; last in each list, so that S2_ATTENTION_AUTOTUNE=0 keeps the Triton forward.
-_WARP_SPECIALIZED_FWD = [TileConfig(hopper_fwd.BLOCK_M, 128, 4, 3, gluon=True)]
+_WARP_SPECIALIZED_FWD = {
+    "small": [TileConfig(hopper_fwd.BLOCK_M, 128, 4, 6, gluon=True)],
+    "medium": [TileConfig(hopper_fwd.BLOCK_M, 128, 4, 3, gluon=True)],
+}
 # dk/dv with a GQA group's query heads shared out among 2 or 4 programs (s2_attention_bwd_dkdv_kernel), where the group
 # size allows: shortens the longest lists, those of early vertical blocks, at the cost of float32 partial sums.
 _GROUP_SPLIT_DKDV = [TileConfig(64, 64, 4, 2, group_split=split) for split in (2, 4)]
@@ -744,9 +749,11 @@ _REGISTER_CAPPED_SMALL = [TileConfig(64, 64, 4, 2, max_registers=128)]
 _REGISTER_CAPPED_DKDV_SMALL = [TileConfig(64, 64, 4, 2, group_split=split, max_registers=168) for split in (1, 4)]
 _CANDIDATES = {
     ("fwd", "small"): (
-        _configs((128, 64, 4), (128, 128, 8), (64, 64, 4)) + _REGISTER_CAPPED_SMALL + _WARP_SPECIALIZED_FWD
+        _configs((128, 64, 4), (128, 128, 8), (64, 64, 4)) + _REGISTER_CAPPED_SMALL + _WARP_SPECIALIZED_FWD["small"]
     ),
-    ("fwd", "medium"): _configs((128, 64, 8), (128, 64, 4), (128, 128, 8), (64, 64, 4)) + _WARP_SPECIALIZED_FWD,
+    ("fwd", "medium"): (
+        _configs((128, 64, 8), (128, 64, 4), (128, 128, 8), (64, 64, 4)) + _WARP_SPECIALIZED_FWD["medium"]
+    ),
     ("fwd", "large"): _configs((64, 64, 4), (128, 64, 8), (64, 32, 4), (128, 32, 8)),
     ("dq", "small"): _configs((128, 64, 8), (64, 64, 4), (128, 128, 8)) + _REGISTER_CAPPED_SMALL + _GLUON_DQ,
     ("dq", "medium"): _configs((128, 64, 8), (64, 64, 4), (128, 32, 8), (64, 32, 4)) + _GLUON_DQ,

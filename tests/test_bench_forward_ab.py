@@ -1,4 +1,5 @@
-"""bench/hopper_fwd_ab.py on the CPU: the lists of its arms without split steps, and a version's own tile and lists."""
+"""bench/hopper_fwd_ab.py on the CPU: the lists of its arms without split steps, the package's tiles by default, and a
+version's own tile and lists."""
 
 import sys
 from pathlib import Path
@@ -43,6 +44,16 @@ def test_lists_without_split_steps_are_the_built_lists_with_split_count_zero(arm
     layout = type("Layout", (), {"block_mask": pattern.block_mask(4, blocks, blocks), "block_size": 64,
                                  "causal": True, "cache_key": None})()
     assert not triton_impl._unit_lists(layout, 128, 128, True, split_first=True)[2][..., 2].any()
+
+
+def test_an_arm_without_a_tile_runs_each_head_dims_package_tile(arm_state):
+    """Without ``--tiles`` an arm runs what the tuner would at each head dim (D = 64's deep ring, D = 128's), with the
+    version's own ``BLOCK_M``."""
+    arm_kernel = type("ArmKernel", (), {"BLOCK_M": 128, "_num_sms": staticmethod(lambda device: 132)})
+    hopper_fwd_ab.use(arm_kernel, None)
+    for size in ("small", "medium"):
+        (config,) = triton_impl._CANDIDATES[("fwd", size)]
+        assert config == triton_impl._WARP_SPECIALIZED_FWD[size][0]
 
 
 def test_a_version_may_fix_its_own_tile_and_lists(arm_state):

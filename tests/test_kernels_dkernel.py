@@ -58,7 +58,7 @@ def _force_gluon_kernels(monkeypatch, head_dim: int, block_size: int) -> dict:
     if torch.cuda.get_device_capability() != (9, 0) or block_size < 32:
         pytest.skip("the Gluon kernels are for compute capability 9.0 and blocks >= 32")
     size = "small" if head_dim <= 64 else "medium"
-    monkeypatch.setitem(triton_impl._CANDIDATES, ("fwd", size), triton_impl._WARP_SPECIALIZED_FWD)
+    monkeypatch.setitem(triton_impl._CANDIDATES, ("fwd", size), triton_impl._WARP_SPECIALIZED_FWD[size])
     monkeypatch.setitem(triton_impl._CANDIDATES, ("dq", size), triton_impl._GLUON_DQ)
     launches = {"forward": [], "dq": []}
     if block_size >= 64:

@@ -417,6 +417,8 @@ WARP_SPECIALIZED_CASES = [
     ((2, 8, 2, 1500, 1500, 128), dict(block_size=64, local_blocks=4, vert_stride=8, per_query_head=True), "bthd"),
     ((1, 4, 1, 257, 257, 64), dict(block_size=128, local_blocks=1, vert_stride=2, num_dense_heads=1), "bthd"),
     ((1, 4, 2, 2001, 2001, 128), dict(block_size=32, local_blocks=5, vert_stride=7), "bhtd"),
+    ((2, 4, 2, 1777, 1777, 64), dict(block_size=64, local_blocks=3, vert_stride=5), "bhtd"),  # D=64's deep ring
+    ((1, 4, 4, 900, 1900, 64), dict(block_size=32, local_blocks=4, vert_stride=6), "bthd"),
 ]
 
 
@@ -435,21 +437,20 @@ def test_warp_specialized_cases_run_split_steps():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", triton_impl._WARP_SPECIALIZED_FWD, ids=lambda c: f"{c.block_n}-keys")
 @pytest.mark.parametrize("programs", [None, 3], ids=["one-per-sm", "3-programs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", range(len(WARP_SPECIALIZED_CASES)))
-def test_gpu_warp_specialized_forward(monkeypatch, case, dtype, programs, config):
+def test_gpu_warp_specialized_forward(monkeypatch, case, dtype, programs):
     """The Gluon forward (hopper_fwd.py) against the float64 reference: odd lengths, GQA, Tq < Tk, one pattern per
     query head, dense heads, the [B, T, H, D] projection output behind a transpose, key tiles of one list entry
     (blocks >= 64) or gathered from two (block 32); it must really run. With 3 programs each one runs many work
-    items in turn, so that an item's Q and K/V ring steps follow the item before it in the same program. Each of
-    its tiles (keys per step) in turn."""
+    items in turn, so that an item's Q and K/V ring steps follow the item before it in the same program. With the
+    head dim's tile (D = 64: the deep ring, with the second consumer 4 ring steps behind; D = 128: one step)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialized forward is for compute capability 9.0")
     (batch, q_heads, kv_heads, q_len, k_len, head_dim), fields, memory = WARP_SPECIALIZED_CASES[case]
     size = "small" if head_dim <= 64 else "medium"
-    monkeypatch.setitem(triton_impl._CANDIDATES, ("fwd", size), [config])
+    monkeypatch.setitem(triton_impl._CANDIDATES, ("fwd", size), triton_impl._WARP_SPECIALIZED_FWD[size])
     monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})
     if programs is not None:
         monkeypatch.setattr(triton_impl.hopper_fwd, "_num_sms", lambda device: programs)
@@ -470,21 +471,26 @@ def test_gpu_warp_specialized_forward(monkeypatch, case, dtype, programs, config
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", triton_impl._WARP_SPECIALIZED_FWD, ids=lambda c: f"{c.block_n}-keys")
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("programs", [None, 2], ids=["one-per-sm", "2-programs"])
-def test_gpu_warp_specialized_forward_varlen(monkeypatch, programs, config):
+def test_gpu_warp_specialized_forward_varlen(monkeypatch, programs, head_dim):
     """Packed sequences (an empty one, one shorter than a tile) through the Gluon forward; with 2 programs, work items
-    with no steps (past a sequence's end) sit between items that have some."""
+    with no steps (past a sequence's end) sit between items that have some. Both head dims' rings."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialized forward is for compute capability 9.0")
-    monkeypatch.setitem(triton_impl._CANDIDATES, ("fwd", "medium"), [config])
+    size = "small" if head_dim <= 64 else "medium"
+    monkeypatch.setitem(triton_impl._CANDIDATES, ("fwd", size), triton_impl._WARP_SPECIALIZED_FWD[size])
     monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})
     if programs is not None:
         monkeypatch.setattr(triton_impl.hopper_fwd, "_num_sms", lambda device: programs)
     cu = _packed_cu_seqlens()
     pattern = S2Pattern(block_size=64, local_blocks=4, vert_stride=8)
-    q, k, v, _, _ = _make_inputs(510, 1, 8, 2, sum(PACKED_LENGTHS), sum(PACKED_LENGTHS), 128, torch.bfloat16)
+    launches = []
+    launch = triton_impl.hopper_fwd.launch
+    monkeypatch.setattr(triton_impl.hopper_fwd, "launch", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
+    q, k, v, _, _ = _make_inputs(510, 1, 8, 2, sum(PACKED_LENGTHS), sum(PACKED_LENGTHS), head_dim, torch.bfloat16)
     out, lse = s2_attention(q, k, v, pattern, backend="triton", return_lse=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert launches, "the warp-specialized forward did not run"
     exact_out, exact_lse = naive_s2_attention(q, k, v, pattern, dtype=torch.float64, cu_seqlens_q=cu, cu_seqlens_k=cu)
     low_out, low_lse = naive_s2_attention(q, k, v, pattern, dtype=torch.bfloat16, cu_seqlens_q=cu, cu_seqlens_k=cu)
     _assert_close("out", out, exact_out, low_out, 2, ABS_FLOOR[torch.bfloat16])
