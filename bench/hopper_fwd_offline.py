@@ -50,13 +50,19 @@ class _CompileOnlyDriver:
         return ty_to_cpp(ty)
 
 
-def compile_kernel(head_dim: int, block_size: int, block_n: int = 64, num_buffers: int = 3, kernel_file=None,
-                   registers: tuple[int, int] | None = None):
+def compile_kernel(head_dim: int, block_size: int, block_n: int | None = None, num_buffers: int | None = None,
+                   kernel_file=None, registers: tuple[int, int] | None = None):
     """The compiled kernel for bf16, causal, [B, T, H, D] queries (the model's layout), as ``hopper_fwd.launch``
-    would launch it (``warmup``: compile, do not run); ``kernel_file``: another version of ``hopper_fwd.py``;
-    ``registers``: (consumer, loader) register counts instead of the module's for ``block_n``."""
+    would launch it (``warmup``: compile, do not run); ``block_n``, ``num_buffers``: keys per step and V ring slots
+    (``None``: the package's tile for ``head_dim``, ``triton_impl._WARP_SPECIALIZED_FWD``); ``kernel_file``: another
+    version of ``hopper_fwd.py``; ``registers``: (consumer, loader) register counts instead of the module's for
+    ``block_n``. Returns ``(kernel, block_n, num_buffers)``."""
     driver.set_active(_CompileOnlyDriver())
     from s2_models.kernels import triton_impl
+
+    package = triton_impl._WARP_SPECIALIZED_FWD["small" if head_dim <= 64 else "medium"][0]
+    block_n = block_n or package.block_n
+    num_buffers = num_buffers or package.num_stages
 
     hopper_fwd = triton_impl.hopper_fwd if kernel_file is None else load_version(kernel_file)
     if registers is not None:
@@ -87,7 +93,7 @@ def compile_kernel(head_dim: int, block_size: int, block_n: int = 64, num_buffer
                           num_buffers)
     finally:
         hopper_fwd.s2_attention_fwd_ws_kernel, hopper_fwd._num_sms = kernel, num_sms
-    return compiled[0]
+    return compiled[0], block_n, num_buffers
 
 
 def _tool(name: str) -> str:
@@ -133,14 +139,15 @@ def main():
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--loops", type=int, default=2, help="how many of the shortest HGMMA loops to print")
-    parser.add_argument("--block-n", type=int, default=64, help="keys per step")
-    parser.add_argument("--num-buffers", type=int, default=3, help="V ring slots (K's: one fewer)")
+    parser.add_argument("--block-n", type=int, help="keys per step (default: the package's)")
+    parser.add_argument("--num-buffers", type=int, help="V ring slots, K's one fewer (default: the package's)")
     parser.add_argument("--registers", help="CONSUMER,LOADER register counts (default: the module's)")
     parser.add_argument("--kernel-file", help="another version of kernels/hopper_fwd.py to compile instead")
     args = parser.parse_args()
     registers = tuple(int(x) for x in args.registers.split(",")) if args.registers else None
-    kernel = compile_kernel(args.head_dim, args.block_size, args.block_n, args.num_buffers, args.kernel_file, registers)
-    print(f"D={args.head_dim}, block {args.block_size}, {args.block_n}-key steps, {args.num_buffers} buffers: "
+    kernel, block_n, num_buffers = compile_kernel(args.head_dim, args.block_size, args.block_n, args.num_buffers,
+                                                  args.kernel_file, registers)
+    print(f"D={args.head_dim}, block {args.block_size}, {block_n}-key steps, {num_buffers} buffers: "
           f"shared memory {kernel.metadata.shared} bytes")
     print(*ptxas_report(kernel), sep="\n")
     for loop in matrix_product_loops(kernel)[: args.loops]:

@@ -98,14 +98,15 @@ BASE_PATCHES = [
 ]
 # The consumers' stamps, by event. All six at once spill inside the step loop (26-29 accesses a step in consumer 0 at
 # D=128, block 64; offline), which would slow the loop being measured: EVENT_SETS stamp four at a time, sets checked
-# offline to leave both step loops as HEAD's (806 / 807-808 instructions, no spill access).
+# offline to leave both step loops within a few instructions of the kernel's and without a spill access (thirty-first
+# session: 798 / 808 against 795 / 804).
 CONSUMER_STAMPS = {
     0: [("            # The next item (its Q was copied while this one ran).\n",
          f"            _stamp(trace, iteration, {CONSUMER}0, step, 4)\n", "before")],
     1: [("            has_first = n_num_entries > 0\n",
          f"            _stamp(trace, iteration, {CONSUMER}1, n_num_entries, 4)\n")],
     2: [("                s_first = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))\n",
-         f"                _stamp(trace, iteration, {CONSUMER}2, turn, 4)\n", "before")],
+         f"                _stamp(trace, iteration, {CONSUMER}2, first_slot, 4)\n", "before")],
     3: [("                # The next ring step's K was read by s_next only where it is a plain first step",
          f"                _stamp(trace, iteration, {CONSUMER}3, step, 4)\n", "before")],
     4: [("            iteration += 1\n            work = next_work\n            seq = n_seq\n",

@@ -66,3 +66,12 @@ def test_a_version_may_fix_its_own_tile_and_lists(arm_state):
     for size in ("small", "medium"):
         (config,) = triton_impl._CANDIDATES[("fwd", size)]
         assert (config.block_m, config.block_n, config.num_stages, config.gluon) == (64, 64, 3, True)
+
+
+def test_forward_timeline_patches_apply_to_the_current_kernel(tmp_path):
+    """bench/hopper_fwd_timeline.py's stamps find their anchors in the current kernel, in every event set."""
+    import hopper_fwd_timeline
+
+    for events in hopper_fwd_timeline.EVENT_SETS:
+        module = hopper_fwd_timeline.instrumented_kernel(str(tmp_path), events)  # raises if an anchor is gone
+        assert hasattr(module, "_stamp") and hasattr(module, "s2_attention_fwd_ws_kernel")
