@@ -34,8 +34,8 @@ two heads, whose K and V blocks they share in L2); with items assigned round-rob
   The consumers do not take turns (FlashAttention-3's ping-pong measured 1.00x here): the second one starts as far
   behind the first as the ring allows (``_start_second_consumer``, ``NUM_V_BUFFERS - 2`` ring steps), so that their
   item boundaries (the epilogue and the next item's first softmax, with little to issue to the tensor cores) fall
-  at different times and each runs under the other's steps. With 6 slots at D = 64 that is 1.045x on an H100; with
-  D = 128's 3 slots, one step, 1.00x (bench/NOTES.md).
+  at different times and each runs under the other's steps. With 6 slots at D = 64 that is 1.04-1.045x on an H100;
+  with D = 128's 3 slots, one step, 0.99-1.03x (bench/NOTES.md).
 
 Scope (``supported``): causal, 16-bit inputs, head dim 64 or 128, ``block_size >= 32``, compute capability 9.0, and
 tensors ``triton_impl._row_view`` can view as rows. Everything else stays on the Triton forward, and the tuner picks
@@ -434,8 +434,8 @@ if AVAILABLE:
         """Consumer 0 lets consumer 1 start (``second_start``) right before its first wait that may depend on consumer
         1 (``needed``): for a ring step's K ``NUM_V - 1`` or more steps on (the loader copies ring step ``t`` once both
         consumers have released step ``t - NUM_V``), or for the Q of the program's third item or later (copied once
-        both have released the first's). Consumer 1 then runs ``NUM_V - 2`` ring steps behind, as far as the ring
-        allows. ``started``: whether it has (0 or 1); returns it."""
+        both have released the first's). Consumer 1 then runs up to ``NUM_V - 2`` ring steps behind, as far as the
+        ring allows. ``started``: whether it has (0 or 1); returns it."""
         start = (started == 0) & needed
         mbarrier.arrive(second_start, count=1, pred=start)
         return started | start.to(gl.int32)

@@ -722,7 +722,7 @@ def _configs(*tiles: tuple[int, int, int]) -> list[TileConfig]:
 # K ring has 2; num_stages counts V's: what shared memory holds) and of 6 at D = 64, whose slack lets the second
 # consumer run 4 ring steps behind the first. On an H200, 128-key steps with 3 joint K/V slots were 1.05-1.14x faster
 # than 64-key steps at every shape of issue 9; with 2 joint slots they took 1.08-1.24x the time; on an H100 the
-# 6-slot ring with the lag 1.045x the 3-slot one at both D = 64 shapes (bench/NOTES.md).
+# 6-slot ring with the lag 1.04-1.045x the 3-slot one at both D = 64 shapes (bench/NOTES.md).
 # Where hopper_fwd.supported; last in each list, so that S2_ATTENTION_AUTOTUNE=0 keeps the Triton forward.
 _WARP_SPECIALIZED_FWD = {
     "small": [TileConfig(hopper_fwd.BLOCK_M, 128, 4, 6, gluon=True)],
