@@ -187,6 +187,14 @@ def compare_pattern(fields: dict, heads: int) -> S2Pattern:
     return S2Pattern(vert_stride=16, head_sliding_offset=0, head_sliding_step=max(1, 16 // heads), **fields)
 
 
+def shape_selected(name: str, only: str | None) -> bool:
+    """Whether ``--only`` picks the shape ``name``: one of its ``;``-separated parts is in the name or, written
+    ``=name``, is the name (``block 64, T=32768`` is also a part of the D=64 and GQA rows' names)."""
+    if not only:
+        return True
+    return any(name == part[1:] if part.startswith("=") else part in name for part in only.split(";"))
+
+
 def compare(rows: list, baselines: list, budget: float, only: str | None, save, rounds: int = 1) -> None:
     """Issue 9's table: s2 vs dkernel vs cuDNN dense causal (and FlexAttention with the identical mask, BLOCK_SIZE
     128, on the block-64 rows), with ratios and per-FLOP efficiency vs cuDNN; then the dense-work rows. Each shape's
@@ -196,7 +204,6 @@ def compare(rows: list, baselines: list, budget: float, only: str | None, save, 
     from torch.nn.attention import SDPBackend
 
     modes = ("fwd", "fwd+bwd")
-    selected = lambda name: not only or any(part in name for part in only.split(";"))  # noqa: E731
     cases = []  # (shape name, [(impl, attention factory)], pattern, batch, heads, kv_heads, seqlen, head_dim)
     for name, fields, batch, seqlen, heads, kv_heads, head_dim in COMPARE_SHAPES:
         pattern = compare_pattern(fields, heads)
@@ -215,7 +222,7 @@ def compare(rows: list, baselines: list, budget: float, only: str | None, save, 
             impls.append(("sdpa-cudnn", lambda: sdpa(SDPBackend.CUDNN_ATTENTION)))
         cases.append((name, impls, pattern, batch, 32, 32, seqlen, 128))
     for name, impls, pattern, *shape in cases:
-        if not selected(name):
+        if not shape_selected(name, only):
             continue
         for round_ in range(rounds):
             for impl, factory in impls:
@@ -311,7 +318,8 @@ def main():
     parser.add_argument("--compare", choices=["dkernel"], default=None,
                         help="only issue 9's shapes: s2 vs dkernel vs cuDNN, with ratios")
     parser.add_argument("--only", default=None,
-                        help="with --compare: shapes whose name contains one of these (separated by ';')")
+                        help="with --compare: shapes whose name contains one of these (separated by ';'), or is one "
+                             "written '=name'")
     parser.add_argument("--rounds", type=int, default=1,
                         help="with --compare: measure each shape's implementations in turn this many times")
     args = parser.parse_args()

@@ -47,3 +47,13 @@ def test_one_round_and_missing_baselines(capsys):
     cells = _table_row(capsys, rows)
     assert cells[1:4] == ["5.00 / 20.00", "6.00 / -", "1.200, -"]  # one round: no range
     assert cells[4:7] == ["- / -", "-, -", "-, -"]  # no cuDNN run: no efficiency
+
+
+def test_only_picks_shapes_by_part_or_by_exact_name():
+    names = [name for name, *_ in bench_s2_attention.COMPARE_SHAPES]
+    pick = lambda only: [n for n in names if bench_s2_attention.shape_selected(n, only)]  # noqa: E731
+    assert pick(None) == names
+    assert pick("block 64, T=32768") == ["block 64, T=32768", "D=64, block 64, T=32768", "GQA 32/8, block 64, T=32768"]
+    assert pick("=block 64, T=32768") == ["block 64, T=32768"]
+    assert pick("=block 64, T=32768;block 16") == ["block 64, T=32768", "block 16, T=16384"]
+    assert pick("=block 64") == []
