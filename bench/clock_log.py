@@ -1,11 +1,11 @@
 """One comparison row's implementations timed in turn while the GPU's clock, power and temperature are sampled (GPU).
 
 Why: at 16 x 8192 the tuner times the forward kernel at ~4.8 ms, but the comparison's rounds
-(``bench_s2_attention.py --compare``) measure the same call at 5.2-6.3 ms, its second round usually the slower,
-while dkernel and cuDNN move by a few percent. This runs a row as the comparison does (fresh inputs per
-implementation, ``median_ms`` with the comparison's budget) and also the tuner's short ``do_bench``, with
-``nvidia-smi`` sampling every 50 ms, so that each timing carries the SM clock, power draw, temperature and
-throttle reasons it ran under::
+(``bench_s2_attention.py --compare``) measure the same call at 5.1-6.3 ms. This runs a row as the comparison does
+(fresh inputs per implementation, ``median_ms`` with the comparison's budget) and also the tuner's short
+``do_bench``, with ``nvidia-smi`` sampling every 50 ms, so that each timing carries the SM clock, power draw,
+temperature and throttle reasons it ran under. On an H100 every implementation ran at the 700 W software power cap,
+its clock at what that power allows (bench/NOTES.md, thirty-second session)::
 
     python bench/clock_log.py --only "block 64, T=8192" --rounds 4 --out $OUT/clock_log.json
 """
