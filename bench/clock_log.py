@@ -82,7 +82,10 @@ def main():
     parser.add_argument("--budget-ms", type=float, default=300, help="the comparison's budget per measurement")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    name, fields, batch, seqlen, heads, kv_heads, head_dim = next(r for r in COMPARE_SHAPES if r[0] == args.only)
+    rows = {row[0]: row for row in COMPARE_SHAPES}
+    if args.only not in rows:
+        parser.error(f"--only must be one of the comparison's row names {list(rows)}, got {args.only!r}")
+    name, fields, batch, seqlen, heads, kv_heads, head_dim = rows[args.only]
     pattern = compare_pattern(fields, heads)
     impls = {"s2-triton": lambda: s2(pattern)}
     if dkernel_available():
