@@ -178,8 +178,13 @@ COMPARE_SHAPES = [
 
 
 # The same kernels doing dense causal work (a local window as long as the sequence keeps every causal block): their
-# efficiency against cuDNN on identical work separates the dense-tile speed from what sparsity costs.
-DENSE_WORK_SHAPES = [("dense work, T=8192", 16, 8192), ("dense work, T=32768", 4, 32768)]
+# efficiency against cuDNN on identical work separates the dense-tile speed from what sparsity costs. The same tokens
+# at shorter T give shorter work items (a 128-row query tile reads T / 256 key steps of 128 on average), as a sparse
+# pattern does: at T=2048 about as many as the block-64 pattern's at T=8192, so these rows show what short items cost
+# the dense kernels themselves.
+DENSE_WORK_SHAPES = [("dense work, T=1024", 128, 1024), ("dense work, T=2048", 64, 2048),
+                     ("dense work, T=4096", 32, 4096), ("dense work, T=8192", 16, 8192),
+                     ("dense work, T=32768", 4, 32768)]
 
 
 def compare_pattern(fields: dict, heads: int) -> S2Pattern:
@@ -220,6 +225,8 @@ def compare(rows: list, baselines: list, budget: float, only: str | None, save, 
         impls = [("s2-triton", lambda p=pattern: s2(p))]
         if "cudnn" in baselines:
             impls.append(("sdpa-cudnn", lambda: sdpa(SDPBackend.CUDNN_ATTENTION)))
+        if "flash" in baselines:
+            impls.append(("sdpa-flash2", lambda: sdpa(SDPBackend.FLASH_ATTENTION)))
         cases.append((name, impls, pattern, batch, 32, 32, seqlen, 128))
     for name, impls, pattern, *shape in cases:
         if not shape_selected(name, only):
@@ -232,7 +239,8 @@ def compare(rows: list, baselines: list, budget: float, only: str | None, save, 
 
 def print_comparison(rows: list) -> None:
     """ms per (shape, impl, mode), the median over rounds; ratio = dkernel ms / s2 ms (> 1: s2 faster); efficiency =
-    cuDNN ms x density / impl ms (the issue's per-FLOP efficiency against cuDNN's dense causal kernel)."""
+    cuDNN ms x density / impl ms (the issue's per-FLOP efficiency against cuDNN's dense causal kernel); FlashAttention-2
+    (SDPA's flash backend) where it ran (the dense-work rows)."""
     times: dict = {}
     by_round = {(r["section"], r["impl"], r["mode"], r["round"]): r["ms"] for r in rows if "ms" in r}
     for r in rows:
@@ -253,8 +261,8 @@ def print_comparison(rows: list) -> None:
         return f"{median:.3f}{spread}"
     print("| shape | s2 fwd / fwd+bwd ms | dkernel fwd / fwd+bwd ms | dkernel / s2 fwd, fwd+bwd "
           "| cuDNN fwd / fwd+bwd ms | eff. vs cuDNN s2 fwd, fwd+bwd | eff. vs cuDNN dkernel fwd, fwd+bwd "
-          "| Flex-128 fwd / fwd+bwd ms |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| Flex-128 fwd / fwd+bwd ms | FA2 fwd / fwd+bwd ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
 
     def cell(section, impl):
         vals = [table[section].get((impl, m)) for m in ("fwd", "fwd+bwd")]
@@ -268,7 +276,7 @@ def print_comparison(rows: list) -> None:
         eff = [", ".join(f"{c[0] * c[1] / x[0]:.2f}" if c and x else "-" for c, x in zip(cu_vals, vals))
                for vals in (s2_vals, dk_vals)]
         print(f"| {section} | {s2_cell} | {dk_cell} | {ratio} | {cu_cell} | {eff[0]} | {eff[1]} "
-              f"| {cell(section, 'flex-128')[1]} |")
+              f"| {cell(section, 'flex-128')[1]} | {cell(section, 'sdpa-flash2')[1]} |")
 
 
 def s2(pattern: S2Pattern):

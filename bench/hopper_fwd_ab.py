@@ -36,7 +36,7 @@ os.environ["S2_ATTENTION_AUTOTUNE"] = "0"  # the one forced candidate
 import torch  # noqa: E402
 import triton  # noqa: E402
 from backward_ab import kernel_times  # noqa: E402
-from bench_s2_attention import COMPARE_SHAPES, compare_pattern  # noqa: E402
+from bench_s2_attention import COMPARE_SHAPES, compare_pattern, shape_selected  # noqa: E402
 from kernel_versions import load_version  # noqa: E402
 
 from s2_models.kernels import S2Pattern, s2_attention, triton_impl  # noqa: E402
@@ -135,7 +135,8 @@ def main():
                         help="time the Triton forward with this tile instead; versions are copies of triton_impl.py")
     parser.add_argument("--out", required=True)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--only", help="shapes whose name contains one of these (separated by ';')")
+    parser.add_argument("--only", help="shapes whose name contains one of these (separated by ';'), or is one written "
+                                       "'=name' (bench_s2_attention.shape_selected)")
     parser.add_argument("--without-split-steps", action="store_true",
                         help="also run every arm on lists without split steps (an arm each)")
     args = parser.parse_args()
@@ -163,7 +164,7 @@ def main():
                "errors": {name: worst_error(*arm) for name, arm in arms.items()}, "ms": {}}
     print(json.dumps(results["errors"]), flush=True)
     for shape_name, *shape in SHAPES:
-        if args.only and not any(part in shape_name for part in args.only.split(";")):
+        if not shape_selected(shape_name, args.only):
             continue
         inputs = forward_inputs(*shape)
         runs = results["ms"][shape_name] = {name: [] for name in arms}

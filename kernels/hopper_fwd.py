@@ -437,7 +437,10 @@ if AVAILABLE:
         both have released the first's). Consumer 1 then runs up to ``NUM_V - 2`` ring steps behind, as far as the
         ring allows. ``started``: whether it has (0 or 1); returns it."""
         start = (started == 0) & needed
-        mbarrier.arrive(second_start, count=1, pred=start)
+        # A branch, not the arrive's predicate: a consumer's arrive compiles to warp-group barriers around it, which
+        # as a predicated arrive ran at every step of consumer 0's loop (3 a step instead of 1; bench/NOTES.md).
+        if start:
+            mbarrier.arrive(second_start, count=1)
         return started | start.to(gl.int32)
 
     @gluon.jit

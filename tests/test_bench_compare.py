@@ -31,13 +31,23 @@ def test_rounds_reduce_to_medians_with_the_range_of_the_rounds_ratios(capsys):
         ("dkernel", "fwd+bwd"): [15.0, 15.0, 15.0],
         ("sdpa-cudnn", "fwd+bwd"): [40.0, 40.0, 40.0],
     })
-    section, s2_ms, dkernel_ms, ratios, cudnn_ms, s2_efficiency, dkernel_efficiency, flex = _table_row(capsys, rows)
+    (section, s2_ms, dkernel_ms, ratios, cudnn_ms, s2_efficiency, dkernel_efficiency, flex,
+     flash) = _table_row(capsys, rows)
     assert section == "block 64, T=8192"
     assert (s2_ms, dkernel_ms, cudnn_ms) == ("3.00 / 10.00", "4.00 / 15.00", "12.00 / 40.00")
     assert ratios == "1.333 (0.667-2.000), 1.500 (1.500-1.500)"
     assert s2_efficiency == "1.00, 1.00"  # 12 x 0.25 / 3 and 40 x 0.25 / 10
     assert dkernel_efficiency == "0.75, 0.67"
-    assert flex == "- / -"
+    assert flex == flash == "- / -"
+
+
+def test_dense_work_rows_show_flash_attention_beside_cudnn(capsys):
+    rows = _rows({("s2-triton", "fwd"): [4.0, 6.0], ("sdpa-cudnn", "fwd"): [5.0, 5.0],
+                  ("sdpa-flash2", "fwd"): [7.0, 8.0, 9.0]}, section="dense work, T=2048", kept=1.0)
+    cells = _table_row(capsys, rows)
+    assert cells[0] == "dense work, T=2048"
+    assert cells[5] == "1.00, -"  # cuDNN 5 x 1.0 / S2's median 5
+    assert cells[-1] == "8.00 / -"
 
 
 def test_one_round_and_missing_baselines(capsys):
