@@ -80,8 +80,8 @@ BASE_PATCHES = [
     ("    def _compute_partition(consumer: gl.constexpr, ", "trace, "),
     ("    def stream_load_partition(", "trace, "),
     # The next item's stamps (it is decoded while this one runs).
-    ("             n_num_entries, n_split) = work_item(gl.minimum(work, num_work - 1), work_args, TILE, IS_VARLEN, "
-     "True)\n",
+    ("             n_num_entries, n_split) = work_item(gl.where(work < num_work, work, 0), work_args, TILE, "
+     "IS_VARLEN, True)\n",
      "            _stamp(trace, iteration + 1, 12, n_num_entries, 1)\n"
      "            row, mask = _timeline_row(trace, iteration + 1, 1)\n"
      "            regular_steps = gl.cdiv(n_num_entries, GROUP)\n"

@@ -373,7 +373,7 @@ if AVAILABLE:
         list entries (``_copy_kv_steps``). After the last item, ``num_work`` as the index tells the consumers to
         stop."""
         num_work = work_args[0]
-        q_heads_per_kv = work_args[15]
+        q_heads_per_kv = work_args[-1]
         stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt = kv_strides
         ROWS: gl.constexpr = row_descs[0].block_type.shape[0]
         step = 0  # ring steps loaded so far: slot and phase
@@ -514,7 +514,8 @@ if AVAILABLE:
         stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_dqb, stride_dqh, stride_dqt,
         stride_lb, stride_lh, stride_lt, stride_eb, stride_eh, stride_et, stride_sb, stride_sh,
         stride_up, stride_ut, stride_cp, stride_ct,
-        seqlen_q, seqlen_k, scale, qk_scale, q_heads_per_pattern, q_heads_per_kv, num_q_tiles, num_q_heads, num_work,
+        first_pos, seqlen_k, last_tile,  # hopper_fwd.item_args (ignored with varlen)
+        scale, qk_scale, q_heads_per_pattern, q_heads_per_kv, num_q_tiles, num_q_heads, num_work,
         BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_DLSE: gl.constexpr,
         NUM_BUFFERS: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr, LOADER_REGISTERS: gl.constexpr,
     ):
@@ -542,9 +543,9 @@ if AVAILABLE:
             mbarrier.init(v_ready.index(slot), count=1)
             mbarrier.init(kv_free.index(slot), count=2)  # both consumers release a slot
 
-        work_args = (num_work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists,
-                     unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern,
-                     q_heads_per_kv)
+        work_args = (num_work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, first_pos, seqlen_k, last_tile,
+                     unit_lists, unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct,
+                     q_heads_per_pattern, q_heads_per_kv)
         out_args = (dq, lse, dlse, lse_log2, delta, stride_dqb, stride_dqh, stride_dqt, stride_lb, stride_lh,
                     stride_lt, stride_eb, stride_eh, stride_et, stride_sb, stride_sh)
         row_strides = ((stride_qb, stride_qh, stride_qt), (stride_gb, stride_gh, stride_gt),
@@ -625,7 +626,7 @@ def launch_dq(q, k, v, out, dout, lse, dlse, dq, lse_log2, delta, row_views, lis
         *problem.strides(q)[:3], *problem.strides(dout)[:3], *problem.strides(out)[:3], *problem.strides(k)[:3],
         *problem.strides(v)[:3], *problem.strides(dq)[:3], *problem.strides(lse),
         *problem.strides(lse if dlse is None else dlse), *stats_strides, *units.stride()[:2], *counts.stride()[:2],
-        q.shape[2], k.shape[2], scale, qk_scale, num_q_heads // num_pattern_heads, num_q_heads // k.shape[1],
+        *hopper_fwd.item_args(q, k), scale, qk_scale, num_q_heads // num_pattern_heads, num_q_heads // k.shape[1],
         num_q_tiles, num_q_heads, num_work,
         BLOCK_SIZE=block_size, BLOCK_N=DQ_BLOCK_N, IS_VARLEN=problem.is_varlen, HAS_DLSE=dlse is not None,
         NUM_BUFFERS=num_buffers, CONSUMER_REGISTERS=DQ_REGISTERS[head_dim][0],

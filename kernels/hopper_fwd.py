@@ -52,6 +52,7 @@ from .sequence_bounds import sequence_bounds
 from .triton_setup import triton  # noqa: F401 (a clear error where Triton is missing)
 
 try:  # Gluon is experimental: its absence (or a changed API) only removes this kernel from the candidates
+    from triton import language as tl  # for int64 arguments (tl.int64; Gluon's annotations are Triton's)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -86,22 +87,31 @@ if AVAILABLE:
         """Work item ``work`` (tiles fastest, then heads, then sequences; the latest, heaviest tile of a head first):
         its sequence, query head, where its sequence starts and ends, where its list starts, and where its list's
         counts are (``list_counts``). ``work_args``: the kernel's
-        ``(num_work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists, unit_bits,
-        unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, q_heads_per_kv)``."""
-        (_, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists, unit_bits,
-         unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, _) = work_args
+        ``(num_work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, first_pos, seqlen_k, last_tile, unit_lists,
+        unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, q_heads_per_kv)``."""
+        (_, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, first_pos, seqlen_k, last_tile, unit_lists,
+         unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern, _) = work_args
         tile_rank = work % num_q_tiles
-        q_head = (work // num_q_tiles) % num_q_heads
-        seq = work // (num_q_tiles * num_q_heads)
-        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(cu_seqlens_q, cu_seqlens_k, seq, seqlen_q, seqlen_k,
-                                                               IS_VARLEN)
-        first_pos = seqlen_k - seqlen_q  # bottom-right alignment: absolute position of query row 0
-        tile = first_pos // TILE + num_q_tiles - 1 - tile_rank
+        head_rank = work // num_q_tiles
+        q_head = head_rank % num_q_heads
+        seq = head_rank // num_q_heads
+        # first_pos: bottom-right alignment, the absolute position of query row 0. Without varlen it and the last
+        # tile come from the launch (item_args): computed here from the kernel's arguments, they were hoisted above
+        # the partitions and lived through the consumers' loops in spilled registers, reloaded at every item (as was
+        # num_q_tiles * num_q_heads, hence two divisions for seq; bench/NOTES.md, thirty-fifth session).
+        if IS_VARLEN:
+            q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(cu_seqlens_q, cu_seqlens_k, seq, 0, 0, IS_VARLEN)
+            first_pos = seqlen_k - seqlen_q
+            tile = first_pos // TILE + num_q_tiles - 1 - tile_rank
+            has_rows = (seqlen_q > 0) & (tile * TILE < seqlen_k)  # a tile past a sequence's end: no step, no store
+        else:
+            q_start = 0
+            k_start = 0
+            tile = last_tile - tile_rank
+            has_rows = tile >= 0  # always: the launch's tiles are [0, last_tile]
         pattern_head = q_head // q_heads_per_pattern
         list_offset = pattern_head.to(gl.int64) * stride_up + tile.to(gl.int64) * stride_ut
         counts = unit_counts + pattern_head.to(gl.int64) * stride_cp + tile.to(gl.int64) * stride_ct
-        # A tile past a (varlen) sequence's end runs no step; its rows are not stored.
-        has_rows = (seqlen_q > 0) & (tile * TILE < seqlen_k)
         return (seq, q_head, q_start, k_start, seqlen_k, first_pos, tile * TILE, unit_lists + list_offset,
                 unit_bits + list_offset, counts, has_rows)
 
@@ -280,15 +290,17 @@ if AVAILABLE:
         item, not at its end, where they delayed the next item's Q and first K (1.03x at 16 x 8192 and D=64 on an
         H100; bench/NOTES.md). After the last item, ``num_work`` as the index tells the consumers to stop."""
         num_work = work_args[0]
-        q_heads_per_kv = work_args[15]
+        q_heads_per_kv = work_args[-1]
         stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt = kv_strides
         ROWS: gl.constexpr = q_desc.block_type.shape[0]
         GROUP: gl.constexpr = kv_bufs.type.shape[1] // k_desc.block_type.shape[0]
         step = 0
         iteration = 0
         work = gl.program_id(0)
+        # Past the last item (the stop), the fields of item 0, which are valid: not num_work - 1's, a value computed
+        # from an argument, which would live in a spilled register (item_fields).
         seq, q_head, q_start, k_start, _, first_pos, tile_first, list_base, _, num_full, num_entries, split = work_item(
-            gl.minimum(work, num_work - 1), work_args, TILE, IS_VARLEN, True)
+            gl.where(work < num_work, work, 0), work_args, TILE, IS_VARLEN, True)
         while work < num_work:
             claim = _claim_issue(work_counter)
             first_row = q_start + tile_first - first_pos
@@ -311,7 +323,7 @@ if AVAILABLE:
             # The next item, claimed at this one's start, is decoded while the consumers run this item's steps.
             work = gl.num_programs(0) + _claimed(claim)
             (n_seq, n_q_head, n_q_start, n_k_start, _, n_first_pos, n_tile_first, n_list_base, _, n_num_full,
-             n_num_entries, n_split) = work_item(gl.minimum(work, num_work - 1), work_args, TILE, IS_VARLEN, True)
+             n_num_entries, n_split) = work_item(gl.where(work < num_work, work, 0), work_args, TILE, IS_VARLEN, True)
             step = _copy_kv_rings(k_desc, v_desc, kv_bufs, k_ready, v_ready, free, step, claim_after, num_steps,
                                   list_base, entries, k_row + k_start, k_col, v_row + k_start, v_col, NUM_K, NUM_V)
             iteration += 1
@@ -472,7 +484,7 @@ if AVAILABLE:
         mbarrier.wait(q_ready.index(0), 0)
         work, num_full, num_entries, split = published_item(work_smem.index(0))
         (seq, q_head, q_start, _, seqlen_k_seq, first_pos, tile_first, split_base, split_bits, _,
-         _) = item_fields(gl.minimum(work, num_work - 1), work_args, TILE, IS_VARLEN)
+         _) = item_fields(gl.where(work < num_work, work, 0), work_args, TILE, IS_VARLEN)
         q_pos, block_in_tile = consumer_rows(tile_first, consumer, ROWS, BLOCK_SIZE, rows_s)
         p, alpha, m_i, l_i, acc, step = _item_start(
             consumer, q_smem.index(consumer), kv_bufs, k_ready, v_ready, free,
@@ -509,7 +521,7 @@ if AVAILABLE:
             mbarrier.wait(q_ready.index(next_qb), ((iteration + 1) // 2) & 1)
             next_work, n_num_full, n_num_entries, n_split = published_item(work_smem.index(next_qb))
             (n_seq, n_q_head, n_q_start, _, n_seqlen_k_seq, n_first_pos, n_tile_first, n_split_base, n_split_bits, _,
-             _) = item_fields(gl.minimum(next_work, num_work - 1), work_args, TILE, IS_VARLEN)
+             _) = item_fields(gl.where(next_work < num_work, next_work, 0), work_args, TILE, IS_VARLEN)
             n_num_entries = n_num_entries * (next_work < num_work)
             has_first = n_num_entries > 0
             s_first = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
@@ -569,9 +581,14 @@ if AVAILABLE:
         unit_lists, unit_bits, unit_counts,  # the forward's lists for 2 * ROWS-row tiles (split_first_step)
         cu_seqlens_q, cu_seqlens_k,  # int32 [S + 1], read only when IS_VARLEN
         work_counter,  # int32 [1], zero: work items claimed after each program's first
-        stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-        stride_ob, stride_oh, stride_ot, stride_lb, stride_lh, stride_lt, stride_up, stride_ut, stride_cp, stride_ct,
-        seqlen_q, seqlen_k, qk_scale, q_heads_per_pattern, q_heads_per_kv, num_q_tiles, num_q_heads, num_work,
+        # int64, as the offsets they scale: an int32 argument's sign extension, hoisted above the partitions, lived in
+        # a spilled register (item_fields).
+        stride_qb: tl.int64, stride_qh: tl.int64, stride_qt: tl.int64, stride_kb: tl.int64, stride_kh: tl.int64,
+        stride_kt: tl.int64, stride_vb: tl.int64, stride_vh: tl.int64, stride_vt: tl.int64, stride_ob: tl.int64,
+        stride_oh: tl.int64, stride_ot: tl.int64, stride_lb: tl.int64, stride_lh: tl.int64, stride_lt: tl.int64,
+        stride_up: tl.int64, stride_ut: tl.int64, stride_cp: tl.int64, stride_ct: tl.int64,
+        first_pos, seqlen_k, last_tile,  # Tk - Tq and the last query tile (ignored with varlen)
+        qk_scale, q_heads_per_pattern, q_heads_per_kv, num_q_tiles, num_q_heads, num_work,
         BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr, NUM_K_BUFFERS: gl.constexpr,
         NUM_V_BUFFERS: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr, LOADER_REGISTERS: gl.constexpr,
     ):
@@ -608,9 +625,9 @@ if AVAILABLE:
         for slot in gl.static_range(NUM_V_BUFFERS):
             mbarrier.init(free.index(slot), count=2)  # both consumers release a ring step
 
-        work_args = (num_work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, unit_lists,
-                     unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct, q_heads_per_pattern,
-                     q_heads_per_kv)
+        work_args = (num_work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, first_pos, seqlen_k, last_tile,
+                     unit_lists, unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct,
+                     q_heads_per_pattern, q_heads_per_kv)
         out_args = (out, lse, stride_ob, stride_oh, stride_ot, stride_lb, stride_lh, stride_lt)
         kv_strides = (stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt)
         gl.warp_specialize(
@@ -658,12 +675,19 @@ def launch(q, k, v, out, lse, row_views, lists, problem, qk_scale: float, block_
         torch.zeros(1, dtype=torch.int32, device=q.device),  # the work counter: a fresh zero for every launch
         *problem.strides(q)[:3], *problem.strides(k)[:3], *problem.strides(v)[:3], *problem.strides(out)[:3],
         *problem.strides(lse), *units.stride()[:2], *counts.stride()[:2],
-        q.shape[2], k.shape[2], qk_scale, num_q_heads // num_pattern_heads, num_q_heads // k.shape[1],
+        *item_args(q, k), qk_scale, num_q_heads // num_pattern_heads, num_q_heads // k.shape[1],
         num_q_tiles, num_q_heads, num_work,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, IS_VARLEN=problem.is_varlen, NUM_K_BUFFERS=num_buffers - 1,
         NUM_V_BUFFERS=num_buffers, CONSUMER_REGISTERS=consumer_registers, LOADER_REGISTERS=loader_registers,
         num_warps=4, maxnreg=MAXNREG,
     )
+
+
+def item_args(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int]:
+    """The kernels' ``first_pos, seqlen_k, last_tile`` for ``item_fields`` (ignored with varlen): where query row 0 sits
+    among the keys (``Tk - Tq``, bottom-right alignment), the key length, and the last ``BLOCK_M``-row query tile."""
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    return seqlen_k - seqlen_q, seqlen_k, (seqlen_k - 1) // BLOCK_M
 
 
 def row_descriptors(tensors, row_views, box_rows) -> list:

@@ -436,6 +436,24 @@ def test_warp_specialized_cases_run_split_steps():
         assert counts[..., 2].any(), fields
 
 
+@pytest.mark.parametrize(("q_len", "k_len"), [(1, 1), (127, 128), (128, 128), (129, 300), (1000, 1000), (5, 4097)])
+def test_warp_specialized_item_args_match_the_query_tiles(q_len, k_len):
+    """The Gluon kernels' work item of tile rank ``r`` runs query tile ``last_tile - r`` (``hopper_fwd.item_args``,
+    without varlen): over the launch's ``num_q_tiles`` ranks, from the tile of the last query row down to that of row
+    0, as the kernels computed them before the launch passed them (bench/NOTES.md, thirty-fifth session)."""
+    from s2_models.kernels import hopper_fwd
+
+    q, k = torch.empty(1, 2, q_len, 64), torch.empty(1, 2, k_len, 64)
+    pattern = S2Pattern(block_size=64, local_blocks=2, vert_stride=2)
+    blocks = -(-k_len // 64)
+    layout = BlockLayout(pattern.block_mask(pattern.num_pattern_heads(2, 2), blocks, blocks), 64, True, None)
+    num_q_tiles = triton_impl._problem(q, k, layout, None).num_q_tiles(hopper_fwd.BLOCK_M)
+    first_pos, seqlen_k, last_tile = hopper_fwd.item_args(q, k)
+    assert (first_pos, seqlen_k) == (k_len - q_len, k_len)
+    assert last_tile == (k_len - 1) // hopper_fwd.BLOCK_M  # the last query row's tile
+    assert last_tile - (num_q_tiles - 1) == first_pos // hopper_fwd.BLOCK_M  # rank num_q_tiles - 1: row 0's tile
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("programs", [None, 3], ids=["one-per-sm", "3-programs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
