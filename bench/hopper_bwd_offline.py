@@ -12,7 +12,7 @@ machine's Triton (see ``hopper_fwd_offline.py``)::
 import argparse
 
 import torch
-from hopper_fwd_offline import _CompileOnlyDriver, matrix_product_loops, ptxas_report
+from hopper_fwd_offline import _CompileOnlyDriver, print_report
 from kernel_versions import load_version
 from triton.runtime import driver
 
@@ -74,11 +74,7 @@ def main():
     parser.add_argument("--kernel-file", help="another version of kernels/hopper_bwd.py to compile instead")
     args = parser.parse_args()
     kernel = compile_kernel(args.kind, args.head_dim, args.block_size, args.kernel_file)
-    print(f"{args.kind}, D={args.head_dim}, block {args.block_size}: shared memory {kernel.metadata.shared} bytes")
-    print(*ptxas_report(kernel), sep="\n")
-    for loop in matrix_product_loops(kernel)[: args.loops]:
-        print(f"loop of {loop['instructions']} instructions (SASS {loop['first']}..{loop['last']}), "
-              f"{loop['spill_accesses']} spill accesses: {loop['mix']}")
+    print_report(kernel, f"{args.kind}, D={args.head_dim}, block {args.block_size}", args.loops)
 
 
 if __name__ == "__main__":

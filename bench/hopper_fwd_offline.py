@@ -134,6 +134,15 @@ def matrix_product_loops(kernel) -> list[dict]:
     return sorted(loops, key=lambda loop: loop["instructions"])
 
 
+def print_report(kernel, title: str, loops: int) -> None:
+    """Shared memory, ptxas's resource use, and the ``loops`` shortest ``HGMMA`` loops of a compiled kernel."""
+    print(f"{title}: shared memory {kernel.metadata.shared} bytes")
+    print(*ptxas_report(kernel), sep="\n")
+    for loop in matrix_product_loops(kernel)[:loops]:
+        print(f"loop of {loop['instructions']} instructions (SASS {loop['first']}..{loop['last']}), "
+              f"{loop['spill_accesses']} spill accesses: {loop['mix']}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -147,12 +156,8 @@ def main():
     registers = tuple(int(x) for x in args.registers.split(",")) if args.registers else None
     kernel, block_n, num_buffers = compile_kernel(args.head_dim, args.block_size, args.block_n, args.num_buffers,
                                                   args.kernel_file, registers)
-    print(f"D={args.head_dim}, block {args.block_size}, {block_n}-key steps, {num_buffers} buffers: "
-          f"shared memory {kernel.metadata.shared} bytes")
-    print(*ptxas_report(kernel), sep="\n")
-    for loop in matrix_product_loops(kernel)[: args.loops]:
-        print(f"loop of {loop['instructions']} instructions (SASS {loop['first']}..{loop['last']}), "
-              f"{loop['spill_accesses']} spill accesses: {loop['mix']}")
+    print_report(kernel, f"D={args.head_dim}, block {args.block_size}, {block_n}-key steps, {num_buffers} buffers",
+                 args.loops)
 
 
 if __name__ == "__main__":
