@@ -68,6 +68,7 @@ if AVAILABLE:
         partial_visible,
         publish_work,
         published_work,
+        tl,
         tma,
         warpgroup_layout,
         warpgroup_mma,
@@ -510,10 +511,14 @@ if AVAILABLE:
         unit_lists, unit_bits, unit_counts,  # the forward's lists for 2 * ROWS-row tiles and BLOCK_N-key steps
         cu_seqlens_q, cu_seqlens_k,  # int32 [S + 1], read only when IS_VARLEN
         work_counter,  # int32 [1], zero
-        stride_qb, stride_qh, stride_qt, stride_gb, stride_gh, stride_gt, stride_ob, stride_oh, stride_ot,
-        stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_dqb, stride_dqh, stride_dqt,
-        stride_lb, stride_lh, stride_lt, stride_eb, stride_eh, stride_et, stride_sb, stride_sh,
-        stride_up, stride_ut, stride_cp, stride_ct,
+        # int64 as in the forward (its kernel's comment): int32 strides' sign extensions were spilled and reloaded each
+        # work item (132 / 192 bytes at D = 128; none with int64, bench/hopper_bwd_offline.py dq)
+        stride_qb: tl.int64, stride_qh: tl.int64, stride_qt: tl.int64, stride_gb: tl.int64, stride_gh: tl.int64,
+        stride_gt: tl.int64, stride_ob: tl.int64, stride_oh: tl.int64, stride_ot: tl.int64, stride_kb: tl.int64,
+        stride_kh: tl.int64, stride_kt: tl.int64, stride_vb: tl.int64, stride_vh: tl.int64, stride_vt: tl.int64,
+        stride_dqb: tl.int64, stride_dqh: tl.int64, stride_dqt: tl.int64, stride_lb: tl.int64, stride_lh: tl.int64,
+        stride_lt: tl.int64, stride_eb: tl.int64, stride_eh: tl.int64, stride_et: tl.int64, stride_sb: tl.int64,
+        stride_sh: tl.int64, stride_up: tl.int64, stride_ut: tl.int64, stride_cp: tl.int64, stride_ct: tl.int64,
         first_pos, seqlen_k, last_tile,  # hopper_fwd.item_args (ignored with varlen)
         scale, qk_scale, q_heads_per_pattern, q_heads_per_kv, num_q_tiles, num_q_heads, num_work,
         BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_DLSE: gl.constexpr,

@@ -422,6 +422,15 @@ WARP_SPECIALIZED_CASES = [
 ]
 
 
+def test_backward_gpu_cases_cover_what_their_tests_claim():
+    """The Gluon dk/dv's and the group split's GPU cases, filtered from the forward's, keep the head dims, blocks and
+    GQA groups their tests' docstrings name, however the forward's cases change."""
+    dkdv = {(shape[-1], fields["block_size"], shape[1] // shape[2]) for shape, fields, _ in GLUON_DKDV_CASES}
+    assert {d for d, _, _ in dkdv} == {64, 128} and {b for _, b, _ in dkdv} == {64, 128}
+    assert {g for _, _, g in dkdv} >= {2, 4}
+    assert {fields["block_size"] for _, fields, _ in GROUP_SPLIT_CASES} == {32, 64, 128}
+
+
 def test_warp_specialized_cases_run_split_steps():
     """The Gluon forward's GPU cases with blocks of 32 and 64 have tiles that start with a split step, so those tests
     check the split step's halves, not only the ordinary steps."""
@@ -594,7 +603,6 @@ def test_gpu_gluon_dkdv(monkeypatch, case, dtype):
     runs on across a group's heads), one pattern per query head, dense heads, the [B, T, H, D] projection output
     behind a transpose, D = 64 and 128, blocks 64 and 128; it must really run."""
     shape, fields, memory = GLUON_DKDV_CASES[case]
-    assert len(GLUON_DKDV_CASES) == 4
     launches = _force_gluon_backward(monkeypatch, "dkdv", shape[-1], triton_impl._GLUON_DKDV)
     check_against_reference(540 + case, shape, dtype, S2Pattern(**fields), memory=memory)
     assert launches, "the Gluon dk/dv did not run"
@@ -626,7 +634,7 @@ def test_gpu_dkdv_group_split(monkeypatch, case, dtype):
     shape, fields, memory = GROUP_SPLIT_CASES[case]
     size = "small" if shape[-1] <= 64 else "medium"
     splits = [c for c in triton_impl._GROUP_SPLIT_DKDV if (shape[1] // shape[2]) % c.group_split == 0]
-    assert len(GROUP_SPLIT_CASES) == 5 and splits
+    assert splits
     for config in splits:
         monkeypatch.setitem(triton_impl._CANDIDATES, ("dkdv", size), [config])  # the only usable candidate
         monkeypatch.setattr(triton_impl, "_TUNED_CONFIGS", {})  # (with tuning on, no earlier pick is reused)
