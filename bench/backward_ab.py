@@ -20,6 +20,7 @@ import argparse
 import json
 
 import torch
+from bench_s2_attention import shape_selected
 from kernel_versions import load_version
 from tile_candidates import attention_inputs
 
@@ -121,7 +122,8 @@ def main():
     parser.add_argument("--kernel", choices=sorted(SUPPORTED), required=True)
     parser.add_argument("--arms", help="comma-separated (default: triton and every Gluon arm of the kernel)")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--only", default="", help="run the shapes whose name contains this")
+    parser.add_argument("--only", help="shapes whose name contains one of these (separated by ';'), or is one written "
+                        "'=name'")
     parser.add_argument("--version", action="append", default=[], metavar="NAME=FILE",
                         help="a copy of hopper_bwd.py whose Gluon arms run as <arm>@NAME (repeatable)")
     parser.add_argument("--out", required=True)
@@ -131,7 +133,7 @@ def main():
         "triton", *GLUON_ARMS[args.kernel], *(f"{arm}@{name}" for arm in GLUON_ARMS[args.kernel] for name in versions)]
     results = {"gpu": torch.cuda.get_device_name(), "kernel": args.kernel, "arms": arms, "shapes": {}}
     for name, shape, pattern_fields, model_layout in SHAPES:
-        if args.only not in name:
+        if not shape_selected(name, args.only):
             continue
         row = measure(args.kernel, shape, pattern_fields, model_layout, arms, args.rounds, versions)
         results["shapes"][name] = row
