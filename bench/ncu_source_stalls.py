@@ -10,7 +10,7 @@ waits they cause land on the instruction that first reads the reloaded register 
 session). On the GPU machine::
 
     ncu --kernel-name regex:fwd_ws_kernel --launch-skip 2 --launch-count 1 --section SourceCounters \\
-        --section WarpStateStats -o prof python3 .gpu/s33_s2_gluon_launch.py 2048
+        --section WarpStateStats -o prof python3 bench/profile_gluon_fwd.py 2048
     ncu --import prof.ncu-rep --page source --csv --print-source sass > sass.csv
 
 then here::
