@@ -30,16 +30,16 @@ Commands::
 
     # 1. on a machine of the project with SmolLM2's tokenizer cached (the CPU machine): tokenizer + 7.5 MB of text
     python bench/bench_distributed.py --prepare .gpu/dist
-    # 2. on the 2-GPU machine, .gpu/dist carried along: all three arms; expected (not yet measured) 3-4 min on
-    #    2 H200s, mostly start-up (imports, tokenizing, Triton compilation and autotuning, the final save): this model
-    #    trained at ~233k tokens/s on one H200 without checkpointing (bench/results/quality_study_scratch.json), so
-    #    the 50 steps of ~32k tokens take ~10 s an arm
+    # 2. on the 2-GPU machine, .gpu/dist carried along (and the device wheels' `datasets`): all three arms, 218 s on
+    #    2 H100s (2026-11-27): the first arm's first step took 79 s (Triton's compilation, cold, and the tuning),
+    #    each arm's 50 steps ~12 s, the rest start-up and the final save
     python bench/bench_distributed.py --data .gpu/dist --out bench/results/distributed_<gpu>.json
 
-``--arms ddp,fsdp2`` runs some arms only. ``--tiny`` is a CPU smoke run of this script (a tiny model, the cached
-tiny tokenizer, a few steps, gloo; ``--prepare DIR --tiny`` writes its data): ``single`` and ``ddp`` (torchrun, as
-``accelerate launch`` starts one process only with ``--cpu``), while ``fsdp2`` is recorded as skipped (accelerate
-applies FSDP on GPUs only; tests/fsdp2_worker.py checks FSDP2 itself on the CPU). Its numbers mean nothing.
+``--arms ddp,fsdp2`` runs some arms only; ``--plot RESULTS.json`` redraws a run's loss plot (beside the JSON).
+``--tiny`` is a CPU smoke run of this script (a tiny model, the cached tiny tokenizer, a few steps, gloo; ``--prepare
+DIR --tiny`` writes its data): ``single`` and ``ddp`` (torchrun, as ``accelerate launch`` starts one process only
+with ``--cpu``), while ``fsdp2`` is recorded as skipped (accelerate applies FSDP on GPUs only; tests/fsdp2_worker.py
+checks FSDP2 itself on the CPU). Its numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -312,20 +312,22 @@ def plot_losses(results: dict, path: Path) -> Path | None:
         return None
     fig, (loss_ax, diff_ax) = plt.subplots(1, 2, figsize=(11, 4))
     single = results["arms"].get("single", {}).get("losses")
-    for name, arm in results["arms"].items():
+    for color, (name, arm) in zip(("C0", "C1", "C2"), results["arms"].items()):  # an arm's color in both panels
         losses = arm.get("losses")
         if not losses:
             continue
         steps = range(1, len(losses) + 1)
-        loss_ax.plot(steps, losses, label=name, linewidth=1)
+        loss_ax.plot(steps, losses, label=name, linewidth=1, color=color)
         if name != "single" and single and len(single) == len(losses):
-            diff_ax.plot(steps, [a - b for a, b in zip(losses, single)], label=f"{name} - single", linewidth=1)
+            diff_ax.plot(steps, [a - b for a, b in zip(losses, single)], label=f"{name} - single", linewidth=1,
+                         color=color)
     loss_ax.set(xlabel="step", ylabel="training loss", title="training loss")
     diff_ax.set(xlabel="step", ylabel="loss difference", title="difference to one GPU")
     for ax in (loss_ax, diff_ax):
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f"S2 hybrid, same global batch and data order ({results['device']})", fontsize=10)
+    fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
@@ -358,7 +360,10 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--timeout", type=float, default=300, help="seconds an arm may take before it is killed")
     parser.add_argument("--log_dir", type=Path, help="keep each arm's full output here (default: discarded)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run of the script (tiny model, gloo)")
+    parser.add_argument("--plot", type=Path, metavar="JSON", help="only redraw the loss plot of a results JSON")
     args = parser.parse_args(argv)
+    if args.plot:
+        return plot_losses(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
     run = TINY_RUN if args.tiny else GPU_RUN
     os.environ.update(NVLS_OFF)
     if args.prepare:

@@ -99,3 +99,18 @@ def test_gpu_arm_commands_launch_what_they_claim(arm, tmp_path):
         assert launch_env["ACCELERATE_USE_FSDP"] == "true" and launch_env["FSDP_VERSION"] == "2"
         assert launch_env["FSDP_ACTIVATION_CHECKPOINTING"] == "true"
         assert launch_env["FSDP_TRANSFORMER_CLS_TO_WRAP"] == "S2LlamaDecoderLayer"
+
+
+def test_plot_redraws_the_loss_plot_of_a_results_json(tmp_path):
+    """``--plot`` reads a results JSON and writes the PNG beside it (no PNG, and a note, without matplotlib)."""
+    results = {"device": "a GPU", "arms": {"single": {"losses": [3.0, 2.5, 2.0]}, "ddp": {"losses": [3.0, 2.5, 2.1]},
+                                          "fsdp2": {"skipped": "needs 2 GPUs, 1 visible"}}}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    plot = bench_distributed.main(["--plot", str(path)])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert plot is None and not path.with_suffix(".png").exists()
+        return
+    assert plot == path.with_suffix(".png") and plot.stat().st_size > 0
