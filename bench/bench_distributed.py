@@ -348,7 +348,7 @@ def versions() -> dict:
             "accelerate": accelerate.__version__, "triton": triton_version, "python": platform.python_version()}
 
 
-def main(argv=None) -> dict | None:
+def main(argv=None) -> dict | Path | None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:  # --worker RECORD, then s2-train's own arguments
         return worker(argv[1], argv[2:])
