@@ -17,10 +17,11 @@ the FSDP2 config accelerate also keeps bf16 copies of the weights for compute an
 Each arm runs this file as a worker (``--worker``) that calls ``s2_models.training.train.main`` with a callback
 timing every step (CUDA-synchronized wall clock between step ends, so data loading and logging count) and reading
 ``state.num_input_tokens_seen`` (all ranks' tokens). Per arm the JSON holds the exact command and the environment it
-added, the 50 losses, tokens/s and the median step time over steps 11-50 (steps 1-10 include Triton's compilation
-and the kernels' autotuning), the peak memory of the fullest GPU (``train_peak_memory_gib`` of s2-train's train
-metrics), how the model was wrapped and checkpointed, and the wall time; for ``ddp`` and ``fsdp2`` also the largest
-``|loss - single's loss|`` over the steps. The three loss curves go on one PNG beside the JSON (if matplotlib is
+added, the 50 losses, tokens/s and the median step time over steps 11-50 (11-48 with ``--profile``; steps 1-10
+include Triton's compilation and the kernels' autotuning), the peak memory of the fullest GPU
+(``train_peak_memory_gib`` of s2-train's train metrics), how the model was wrapped and checkpointed, and the wall
+time; for ``ddp`` and ``fsdp2`` also the largest ``|loss - single's loss|`` over the steps. The three loss curves go
+on one PNG beside the JSON (if matplotlib is
 installed). An arm that fails or passes ``--timeout`` is recorded with the tail of its output; the others still run.
 
 NVLink multicast (NVLS) stays off: ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and
@@ -35,7 +36,12 @@ Commands::
     #    each arm's 50 steps ~12 s, the rest start-up and the final save
     python bench/bench_distributed.py --data .gpu/dist --out bench/results/distributed_<gpu>.json
 
-``--arms ddp,fsdp2`` runs some arms only; ``--plot RESULTS.json`` redraws a run's loss plot (beside the JSON).
+``--arms ddp,fsdp2`` runs some arms only; ``--arms single_half`` adds one GPU at a 2-GPU arm's per-device batch (8):
+the step a rank would take with free communication, so ``2 x single_half`` tokens/s is the ideal 2-GPU rate.
+``--profile`` has every process profile the last two steps (``torch.profiler``; they are then not timed): the record
+gains their wall time per step, the time some GPU work ran (the union of kernel, copy and set intervals on all
+streams), NCCL's share and the part of it no other GPU work overlapped; the arm's log gets the busiest kernels and
+host operations. ``--plot RESULTS.json`` redraws a run's loss plot (beside the JSON).
 ``--tiny`` is a CPU smoke run of this script (a tiny model, the cached tiny tokenizer, a few steps, gloo; ``--prepare
 DIR --tiny`` writes its data): ``single`` and ``ddp`` (torchrun, as ``accelerate launch`` starts one process only
 with ``--cpu``), while ``fsdp2`` is recorded as skipped (accelerate applies FSDP on GPUs only; tests/fsdp2_worker.py
@@ -67,7 +73,12 @@ ACCELERATE_CONFIGS = REPO / "training" / "accelerate"
 # GPU hosts this runs on, a program that uses it can put every GPU of the host out of service.
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 ARMS = ("single", "ddp", "fsdp2")
+# Run only when named in --arms: one GPU doing one rank's share of a 2-GPU step (half the global batch), with no
+# exchange. Its step time is what the 2-GPU arms would take if communication were free; its losses are of another
+# batch, so they are not compared.
+OPTIONAL_ARMS = ("single_half",)
 NUM_PROCESSES = 2  # GPUs of the ddp and fsdp2 arms
+PROFILE_ENV = "S2_BENCH_PROFILE_STEPS"  # how the driver tells the workers which steps to profile (--profile)
 ROW_CHUNKS = 16  # --prepare joins documents into rows of about this many chunks (see prepare)
 
 # What a run is: model, data and schedule. --tiny swaps in its own.
@@ -141,6 +152,7 @@ def worker(record_path: str, s2_train_argv: list[str]) -> None:
         def __init__(self):
             self.record = {"steps": [], "losses": []}
             self.writes_record = False  # rank 0 only
+            self.profiler = None  # torch.profiler over the profiled steps (--profile)
 
         def _now(self, args) -> float:
             if args.device.type == "cuda":
@@ -167,8 +179,20 @@ def worker(record_path: str, s2_train_argv: list[str]) -> None:
             self.start = self._now(args)
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.record["steps"].append({"step": state.global_step, "seconds": self._now(args) - self.start,
+            now = self._now(args)
+            self.record["steps"].append({"step": state.global_step, "seconds": now - self.start,
                                          "tokens_seen": state.num_input_tokens_seen})
+            if profiled and state.global_step == profiled[0] - 1:  # the window: whole steps, data included
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if args.device.type == "cuda":
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                self.profiler = torch.profiler.profile(activities=activities)
+                self.profiler.start()
+                self.profile_start = time.perf_counter()
+            elif profiled and state.global_step == profiled[-1]:
+                self.profiler.stop()
+                self.record["profile"] = profile_summary(self.profiler, now - self.profile_start, profiled,
+                                                         f"process {args.process_index}")
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if "loss" in logs:
@@ -178,6 +202,7 @@ def worker(record_path: str, s2_train_argv: list[str]) -> None:
             if self.writes_record:
                 Path(record_path).write_text(json.dumps(self.record))
 
+    profiled = tuple(int(x) for x in os.environ[PROFILE_ENV].split("-")) if PROFILE_ENV in os.environ else ()
     timer = StepTimer()
     train.main(s2_train_argv, callbacks=[timer])
     if not timer.writes_record:
@@ -187,6 +212,46 @@ def worker(record_path: str, s2_train_argv: list[str]) -> None:
     if metrics.is_file() and Path(record_path).is_file():
         timer.record["train_metrics"] = json.loads(metrics.read_text())
         Path(record_path).write_text(json.dumps(timer.record))
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def gpu_time_split(trace_events: list[dict], wall_s: float, steps: int) -> dict:
+    """Per step, in ms, from a Chrome trace's events (``torch.profiler``'s export): ``wall``; ``gpu_busy``, the time
+    some kernel, copy or set ran on any stream; ``nccl``, the time a NCCL kernel ran; ``nccl_exposed``, the part of
+    ``gpu_busy`` when only NCCL kernels ran (the exchange the computation did not hide); ``gpu_idle``, ``wall -
+    gpu_busy`` (the GPU waiting for the host)."""
+    gpu = [e for e in trace_events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in gpu]
+    other = [(e["ts"], e["ts"] + e["dur"]) for e in gpu if "nccl" not in e["name"].lower()]
+    nccl = [(e["ts"], e["ts"] + e["dur"]) for e in gpu if "nccl" in e["name"].lower()]
+    busy = busy_us(spans)
+    split = {"wall": 1e6 * wall_s, "gpu_busy": busy, "nccl": busy_us(nccl), "nccl_exposed": busy - busy_us(other)}
+    split["gpu_idle"] = split["wall"] - busy
+    return {name: round(us / 1e3 / steps, 2) for name, us in split.items()}
+
+
+def profile_summary(profiler, wall_s: float, steps: tuple[int, ...], process: str) -> dict:
+    """A profiled window's time split (``gpu_time_split``); prints it and the busiest kernels and host operations
+    (the arm's log), and returns it for the record."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        profiler.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    split = {"steps": list(steps), "ms_per_step": gpu_time_split(events, wall_s, len(steps))}
+    averages = profiler.key_averages()
+    print(f"profile of steps {steps}, {process}: {json.dumps(split)}\n"
+          + averages.table(sort_by="self_device_time_total", row_limit=20) + "\n"
+          + averages.table(sort_by="self_cpu_time_total", row_limit=20), flush=True)
+    return split
 
 
 # ---------------------------------------------------------------------------------------------------------- driver
@@ -222,7 +287,7 @@ def free_port() -> int:
 
 def arm_launch(arm: str, tiny: bool) -> tuple[list[str], dict]:
     """``(launcher argv up to the script, environment additions)`` of an arm."""
-    if arm == "single":
+    if arm in ("single", "single_half"):
         if tiny:
             return [sys.executable], {}
         first_gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
@@ -239,12 +304,21 @@ def arm_launch(arm: str, tiny: bool) -> tuple[list[str], dict]:
     return launcher, {}
 
 
-def arm_command(arm: str, run: dict, data: Path, work: Path, tiny: bool) -> tuple[list[str], dict]:
+def profile_steps(run: dict) -> tuple[int, int]:
+    """The steps ``--profile`` profiles: the last two. They are left out of the timed steps (``summarize``), and so is
+    the profile's processing after them (seconds, on the host: inside a timed step it would weigh as ~20 steps)."""
+    return run["steps"] - 1, run["steps"]
+
+
+def arm_command(arm: str, run: dict, data: Path, work: Path, tiny: bool, profile: bool = False
+                ) -> tuple[list[str], dict]:
     """The full command of an arm and the environment it adds to this process's."""
     launcher, env = arm_launch(arm, tiny)
-    world = 1 if arm == "single" else NUM_PROCESSES
-    args = s2_train_args(run, data, work / "output", arm, run["global_batch"] // world, tiny)
+    per_device_batch = run["global_batch"] // (1 if arm == "single" else NUM_PROCESSES)
+    args = s2_train_args(run, data, work / "output", arm, per_device_batch, tiny)
     env = {**NVLS_OFF, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **env}
+    if profile:
+        env[PROFILE_ENV] = "-".join(str(step) for step in profile_steps(run))
     if tiny:
         env["OMP_NUM_THREADS"] = "1"  # two processes on a CI machine's two cores
     return [*launcher, str(Path(__file__).resolve()), "--worker", str(work / "record.json"), *args], env
@@ -275,8 +349,10 @@ def run_arm(arm: str, command: list[str], env: dict, work: Path, timeout: float,
 
 
 def summarize(result: dict, skip_steps: int) -> None:
-    """Throughput and step time over the steps after ``skip_steps``, peak memory, from the raw record."""
-    steps = result.get("steps", [])
+    """Throughput and step time over the steps after ``skip_steps`` (and before any profiled ones), peak memory, from
+    the raw record."""
+    profiled = result.get("profile", {}).get("steps")
+    steps = [s for s in result.get("steps", []) if not profiled or s["step"] < profiled[0]]
     if len(steps) <= skip_steps + 1:
         result.setdefault("error", f"only {len(steps)} steps recorded, need more than {skip_steps + 1}")
         return
@@ -312,10 +388,9 @@ def plot_losses(results: dict, path: Path) -> Path | None:
         return None
     fig, (loss_ax, diff_ax) = plt.subplots(1, 2, figsize=(11, 4))
     single = results["arms"].get("single", {}).get("losses")
-    for color, (name, arm) in zip(("C0", "C1", "C2"), results["arms"].items()):  # an arm's color in both panels
-        losses = arm.get("losses")
-        if not losses:
-            continue
+    plotted = [(name, arm["losses"]) for name, arm in results["arms"].items()
+               if arm.get("losses") and name not in OPTIONAL_ARMS]  # an optional arm trained on another batch
+    for color, (name, losses) in zip(("C0", "C1", "C2"), plotted):  # an arm's color in both panels
         steps = range(1, len(losses) + 1)
         loss_ax.plot(steps, losses, label=name, linewidth=1, color=color)
         if name != "single" and single and len(single) == len(losses):
@@ -356,11 +431,13 @@ def main(argv=None) -> dict | Path | None:
     parser.add_argument("--prepare", type=Path, metavar="DIR", help="write the tokenizer and training text to DIR")
     parser.add_argument("--data", type=Path, default=REPO / ".gpu" / "dist", help="a folder written by --prepare")
     parser.add_argument("--out", type=Path, help="the JSON results (the loss plot goes beside it, .png)")
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {list(ARMS)}")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {list(ARMS + OPTIONAL_ARMS)}")
     parser.add_argument("--timeout", type=float, default=300, help="seconds an arm may take before it is killed")
     parser.add_argument("--log_dir", type=Path, help="keep each arm's full output here (default: discarded)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run of the script (tiny model, gloo)")
     parser.add_argument("--plot", type=Path, metavar="JSON", help="only redraw the loss plot of a results JSON")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile the first two timed steps in every process (GPU time split)")
     args = parser.parse_args(argv)
     if args.plot:
         return plot_losses(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
@@ -373,9 +450,9 @@ def main(argv=None) -> dict | Path | None:
     if args.out is None:
         parser.error("--out is required to run the arms")
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = sorted(set(arms) - set(ARMS))
+    unknown = sorted(set(arms) - set(ARMS + OPTIONAL_ARMS))
     if unknown:
-        parser.error(f"--arms: unknown {unknown}; choose from {list(ARMS)}")
+        parser.error(f"--arms: unknown {unknown}; choose from {list(ARMS + OPTIONAL_ARMS)}")
     manifest_path = args.data / "manifest.json"
     if not manifest_path.is_file():
         parser.error(f"--data {args.data} has no manifest.json: write it with --prepare {args.data}")
@@ -410,11 +487,11 @@ def main(argv=None) -> dict | Path | None:
             results["arms"][arm] = {"skipped": "accelerate applies FSDP on GPUs only (a --cpu launch is a single "
                                                "process); tests/fsdp2_worker.py checks FSDP2 on the CPU"}
             continue
-        if arm != "single" and not args.tiny and gpus < NUM_PROCESSES:
+        if arm in ("ddp", "fsdp2") and not args.tiny and gpus < NUM_PROCESSES:
             results["arms"][arm] = {"skipped": f"needs {NUM_PROCESSES} GPUs, {gpus} visible"}
             continue
         with tempfile.TemporaryDirectory(prefix=f"bench-distributed-{arm}-") as work:
-            command, env = arm_command(arm, run, args.data.resolve(), Path(work), args.tiny)
+            command, env = arm_command(arm, run, args.data.resolve(), Path(work), args.tiny, args.profile)
             print(f"[{arm}] {shlex.join(command)}", flush=True)
             result = run_arm(arm, command, env, Path(work), args.timeout, args.log_dir)
         summarize(result, run["skip_steps"])

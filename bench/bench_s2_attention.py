@@ -217,7 +217,7 @@ def compare(rows: list, baselines: list, budget: float, only: str | None, save, 
             impls.append(("dkernel", lambda p=pattern, h=heads, g=kv_heads, t=seqlen: dkernel(p, h, g, t)))
         if "cudnn" in baselines:
             impls.append(("sdpa-cudnn", lambda: sdpa(SDPBackend.CUDNN_ATTENTION)))
-        if "flex" in baselines and pattern.block_size == 64:
+        if "flex" in baselines:  # 128-token blocks at every pattern block size; the mask_mod keeps it exact
             impls.append(("flex-128", lambda p=pattern, h=heads, g=kv_heads, t=seqlen: flex(p, h, g, t, 128)))
         cases.append((name, impls, pattern, batch, heads, kv_heads, seqlen, head_dim))
     for name, batch, seqlen in DENSE_WORK_SHAPES:

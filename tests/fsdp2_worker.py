@@ -12,9 +12,14 @@ The loss is token-weighted as ``Trainer`` weights it: each rank's summed token l
 of the whole global batch and multiplied by the world size, and FSDP averages the gradients over the ranks, so the
 gradient is that of the full batch's mean loss whatever the split.
 
-Checked after the second backward (so the sharded optimizer step is covered too), for every parameter and the loss:
-the sharded run's error against the float64 reference is at most 3x (the loss: 2x) that of the unsharded run in the
-same precision, plus a floor of a few units of rounding (the quality bar's rule). Precisions (``--precisions``):
+Checked at every step, the references first set to the sharded model's current weights (so all three differentiate
+at the same point): the loss and every gradient, where the sharded run's error against the float64 reference may be
+at most 2x (the loss) or 3x (gradients) that of the unsharded run in the same precision, plus a floor of a few units
+of rounding (the quality bar's rule). Between steps, the sharded AdamW step: its update of every parameter must be
+the one AdamW makes on the unsharded model from the same gradients (gathered from the shards), to float32 rounding.
+(The references do not train on their own gradients: AdamW's first update is about ``lr * sign(grad)``, so where a
+gradient is near zero, rounding flips whole ``lr``-sized steps and the second step's gradients would differ by far
+more than rounding in any two runs.) Precisions (``--precisions``):
 
 - ``fp32``: float32 weights and compute; both runs err at ~1e-6, so a wrong weighting or a lost shard fails at once.
 - ``bf16``: what ``accelerate launch --config_file training/accelerate/fsdp2.yaml`` applies, i.e. FSDP2's
@@ -58,6 +63,9 @@ PRECISIONS = {
     },
 }
 EPS = {"fp32": torch.finfo(torch.float32).eps, "bf16": torch.finfo(torch.bfloat16).eps}
+# The same float32 AdamW arithmetic on the same inputs, sharded or whole: only its operation order may differ. A lost
+# shard, a wrong learning rate or a step skipped errs by a whole update (relative error ~1).
+UPDATE_RTOL = 1e-5
 
 
 def sequences(lengths, generator) -> list[dict]:
@@ -86,7 +94,7 @@ def relative_error(x: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def run(precision: str, device: torch.device, rank: int, world: int) -> list[str]:
-    """Two steps sharded (every rank) and unsharded (rank 0); returns rank 0's failures."""
+    """``len(STEPS)`` steps sharded (every rank) and unsharded (rank 0); returns rank 0's failures."""
     policy, autocast = PRECISIONS[precision]["policy"], PRECISIONS[precision]["autocast"]
     torch.manual_seed(0)  # the same initial weights on every rank
     sparsity = hybrid_sparsity(CONFIG["num_hidden_layers"], PATTERN, dense_layers=DENSE_LAYERS)
@@ -95,7 +103,8 @@ def run(precision: str, device: torch.device, rank: int, world: int) -> list[str
     references = {} if rank != 0 else {
         "unsharded": copy.deepcopy(model).to(device), "float64": copy.deepcopy(model).to(torch.float64)
     }
-    ref_optimizers = [torch.optim.AdamW(ref.parameters(), lr=LEARNING_RATE) for ref in references.values()]
+    # AdamW on the unsharded model, fed the sharded run's gradients: the update the sharded step must make
+    ref_optimizer = torch.optim.AdamW(references["unsharded"].parameters(), lr=LEARNING_RATE) if references else None
     mesh = init_device_mesh(device.type, (world,))
     sharded = model.to(device)
     for layer in sharded.model.layers:
@@ -105,6 +114,11 @@ def run(precision: str, device: torch.device, rank: int, world: int) -> list[str
 
     def mixed(model_device: torch.device, enabled: bool):
         return torch.autocast(model_device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+
+    def gathered(tensors: dict) -> dict:
+        """Every sharded tensor whole (a collective: every rank gathers, in the same order); rank 0 keeps them."""
+        whole = {name: t.full_tensor() for name, t in tensors.items()}
+        return whole if references else {}
 
     failures = []
     collate = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
@@ -128,6 +142,7 @@ def run(precision: str, device: torch.device, rank: int, world: int) -> list[str
                     ref_loss = ref(**on(full, ref_device)).loss
             ref_loss.backward()
             losses[name] = ref_loss.detach().item()
+        grads = gathered({name: param.grad for name, param in sharded.named_parameters()})
         if references:
             error, ref_error = (abs(losses[name] - losses["float64"]) for name in ("sharded", "unsharded"))
             # floor: one unit of rounding (bf16 returns the loss in bf16: output_dtype; half a unit per rank's share)
@@ -138,26 +153,54 @@ def run(precision: str, device: torch.device, rank: int, world: int) -> list[str
                 failures.append(f"[{precision}] step {step} loss: sharded {losses['sharded']!r} is {error:.3g} from "
                                 f"float64 {losses['float64']!r}, over the bound {bound:.3g} (2x the unsharded run's "
                                 f"{ref_error:.3g} + floor)")
-        if step < len(STEPS):
-            for opt in (optimizer, *ref_optimizers):
-                opt.step()
-                opt.zero_grad()
+            failures += check_gradients(grads, references, precision, step)
+        if step == len(STEPS):
+            break
+        optimizer.step()
+        optimizer.zero_grad()
+        weights = gathered({name: param.detach() for name, param in sharded.named_parameters()})
+        if references:
+            failures += check_update(weights, grads, references["unsharded"], ref_optimizer, precision, step)
+            for ref in references.values():  # the next step's gradients at the sharded run's weights
+                ref.zero_grad()
+                with torch.no_grad():
+                    for name, param in ref.named_parameters():
+                        param.copy_(weights[name])
+    return failures
 
-    worst = 0.0
-    for name, param in sharded.named_parameters():
-        grad = param.grad.full_tensor()  # a collective: every rank gathers every gradient, in the same order
-        if not references:
-            continue
+
+def check_gradients(grads: dict, references: dict, precision: str, step: int) -> list[str]:
+    """Each gathered gradient's error against float64 within 3x the unsharded run's, plus a floor."""
+    failures, worst = [], 0.0
+    for name, grad in grads.items():
         exact = references["float64"].get_parameter(name).grad
         error = relative_error(grad, exact)
         ref_error = relative_error(references["unsharded"].get_parameter(name).grad, exact)
         bound = 3 * ref_error + 2 * EPS[precision]
         worst = max(worst, error / bound)
         if error > bound:
-            failures.append(f"[{precision}] gradient of {name}: relative error {error:.3g} against float64, over the "
-                            f"bound {bound:.3g} (3x the unsharded run's {ref_error:.3g} + floor)")
-    if references:
-        print(f"[{precision}] gradients: largest sharded error / bound = {worst:.3f}", flush=True)
+            failures.append(f"[{precision}] step {step} gradient of {name}: relative error {error:.3g} against "
+                            f"float64, over the bound {bound:.3g} (3x the unsharded run's {ref_error:.3g} + floor)")
+    print(f"[{precision}] step {step} gradients: largest sharded error / bound = {worst:.3f}", flush=True)
+    return failures
+
+
+def check_update(weights: dict, grads: dict, unsharded, ref_optimizer, precision: str, step: int) -> list[str]:
+    """The sharded AdamW step's update of each parameter against AdamW's on the unsharded model (at the same
+    weights, with its state fed the same gradients so far) from the same gradients, within ``UPDATE_RTOL``."""
+    before = {name: param.detach().clone() for name, param in unsharded.named_parameters()}
+    for name, param in unsharded.named_parameters():
+        param.grad = grads[name].to(param.dtype)
+    ref_optimizer.step()
+    failures, worst = [], 0.0
+    for name, param in unsharded.named_parameters():
+        expected, actual = param.detach() - before[name], weights[name] - before[name]
+        error = float((actual - expected).double().norm() / expected.double().norm().clamp_min(1e-30))
+        worst = max(worst, error)
+        if error > UPDATE_RTOL:
+            failures.append(f"[{precision}] step {step} AdamW update of {name}: relative error {error:.3g} against "
+                            f"AdamW on the unsharded model from the same gradients, over {UPDATE_RTOL}")
+    print(f"[{precision}] step {step} AdamW updates: largest relative error {worst:.3g}", flush=True)
     return failures
 
 

@@ -38,10 +38,11 @@ def test_prepare_writes_enough_mostly_full_chunks(tiny_data):
     assert (folder / "tokenizer" / "tokenizer.json").is_file()
 
 
-def test_tiny_run_ddp_matches_one_process(tiny_data, tmp_path):
+def test_tiny_run_ddp_matches_one_process_and_profiles(tiny_data, tmp_path):
     folder, _ = tiny_data
     out = tmp_path / "tiny.json"
-    command = [sys.executable, str(BENCH / "bench_distributed.py"), "--tiny", "--data", str(folder), "--out", str(out)]
+    command = [sys.executable, str(BENCH / "bench_distributed.py"), "--tiny", "--data", str(folder), "--out", str(out),
+               "--profile"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -54,6 +55,12 @@ def test_tiny_run_ddp_matches_one_process(tiny_data, tmp_path):
         assert len(arm["losses"]) == steps and all(math.isfinite(x) for x in arm["losses"])
         assert arm["tokens_per_s"] > 0 and arm["median_step_ms"] > 0
         assert arm["env"]["NCCL_NVLS_ENABLE"] == "0"
+        # --profile: the last two steps, their wall time split (no GPU here: all of it idle), and left out of the
+        # timed steps
+        profile = arm["profile"]
+        assert profile["steps"] == list(bench_distributed.profile_steps(bench_distributed.TINY_RUN))
+        assert profile["ms_per_step"]["wall"] > 0 and profile["ms_per_step"]["gpu_busy"] == 0
+        assert arm["timed_steps"] == f"{bench_distributed.TINY_RUN['skip_steps'] + 1}-{profile['steps'][0] - 1}"
     assert ddp["parallel_mode"] == "ParallelMode.DISTRIBUTED"
     assert ddp["steps"][-1]["tokens_seen"] == single["steps"][-1]["tokens_seen"]  # the same chunks
     # float32 on the CPU: the same global batch and order give the same losses up to summation order
@@ -61,7 +68,7 @@ def test_tiny_run_ddp_matches_one_process(tiny_data, tmp_path):
     assert "skipped" in arms["fsdp2"]
 
 
-@pytest.mark.parametrize("arm", bench_distributed.ARMS)
+@pytest.mark.parametrize("arm", bench_distributed.ARMS + bench_distributed.OPTIONAL_ARMS)
 def test_gpu_arm_commands_launch_what_they_claim(arm, tmp_path):
     """The GPU arms' commands, parsed as accelerate launch and s2-train parse them (without running them)."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
@@ -70,6 +77,7 @@ def test_gpu_arm_commands_launch_what_they_claim(arm, tmp_path):
     run = bench_distributed.GPU_RUN
     command, env = bench_distributed.arm_command(arm, run, tmp_path / "data", tmp_path, tiny=False)
     assert env.items() >= bench_distributed.NVLS_OFF.items()
+    assert bench_distributed.PROFILE_ENV not in env
     script = command.index(str(Path(bench_distributed.__file__).resolve()))
     worker_args = command[script + 1 :]
     assert worker_args[:2] == ["--worker", str(tmp_path / "record.json")]
@@ -84,7 +92,7 @@ def test_gpu_arm_commands_launch_what_they_claim(arm, tmp_path):
     assert training_args.train_sampling_strategy == "sequential" and training_args.max_steps == run["steps"]
     # HF checkpointing for single/ddp; FSDP checkpoints itself (Trainer refuses both at once)
     assert ("--gradient_checkpointing" in worker_args) == (arm != "fsdp2")
-    if arm == "single":
+    if arm in ("single", "single_half"):
         assert command[0] == sys.executable and command[1] == str(Path(bench_distributed.__file__).resolve())
         assert env["CUDA_VISIBLE_DEVICES"] == os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
         return
@@ -114,3 +122,19 @@ def test_plot_redraws_the_loss_plot_of_a_results_json(tmp_path):
         assert plot is None and not path.with_suffix(".png").exists()
         return
     assert plot == path.with_suffix(".png") and plot.stat().st_size > 0
+
+
+def test_gpu_time_split_counts_overlaps_once_and_the_exchange_nothing_hid():
+    """Two steps of 100 ms: kernels on two streams overlap (counted once), NCCL half hidden behind a kernel."""
+
+    def event(name, start_ms, end_ms, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": 1e3 * start_ms, "dur": 1e3 * (end_ms - start_ms)}
+
+    events = [
+        event("gemm", 0, 50), event("softmax", 40, 60),  # overlapping: busy 0-60
+        event("ncclDevKernel_AllReduce_Sum_f32", 50, 90),  # hidden 50-60, alone 60-90
+        event("Memcpy HtoD", 120, 130, cat="gpu_memcpy"),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 2e5},  # host work: not GPU time
+    ]
+    split = bench_distributed.gpu_time_split(events, wall_s=0.2, steps=2)
+    assert split == {"wall": 100.0, "gpu_busy": 50.0, "nccl": 20.0, "nccl_exposed": 15.0, "gpu_idle": 50.0}
