@@ -25,6 +25,7 @@ import functools
 import math
 import os
 import re
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -207,6 +208,37 @@ def check_scale(scale, head_dim: int) -> float:
     return float(scale)
 
 
+class HostReadMemo:
+    """A one-entry memo of what a call reads from device tensors to the host (a device sync each time).
+
+    A model hands the same offset or padding-mask tensors to every layer, in the forward, the recomputed
+    (checkpointed) forward and the backward: 36 calls a training step at 12 layers. Each read waits for the GPU to
+    drain its queue, and the GPU then idles while the host launches what follows. The same tensor objects, alive and
+    not written in place since (their version counters; PyTorch bumps them at every in-place operation), hold the
+    same values, so their result is reused. Inference tensors have no version counter and are read every time; a
+    write that bypasses PyTorch (a custom kernel writing through the tensor's pointer) is not seen.
+    """
+
+    def __init__(self):
+        self._entry = None  # (weak references to the tensors, their versions and the call's key, the result)
+
+    def get(self, tensors: tuple[torch.Tensor, ...], key: tuple, read):
+        """``read()``, or its result for the last call with these tensor objects (unchanged) and ``key``."""
+        if any(t.is_inference() for t in tensors):
+            return read()
+        stamp = (tuple((t._version, t.data_ptr()) for t in tensors), key)
+        entry = self._entry
+        if entry is not None and entry[1] == stamp and all(ref() is t for ref, t in zip(entry[0], tensors)):
+            return entry[2]
+        result = read()  # raises on bad values: nothing is kept
+        self._entry = (tuple(weakref.ref(t) for t in tensors), stamp, result)
+        return result
+
+
+_VARLEN_READS = HostReadMemo()
+_PADDING_READS = HostReadMemo()
+
+
 def _check_varlen(q, k, causal, cu_q, cu_k, max_q, max_k) -> Varlen:
     if cu_q is None or cu_k is None:
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
@@ -220,6 +252,17 @@ def _check_varlen(q, k, causal, cu_q, cu_k, max_q, max_k) -> Varlen:
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must have the same length, got {cu_q.numel()} and {cu_k.numel()}"
         )
+    key = (q.shape[2], k.shape[2], str(q.device))
+    varlen = _VARLEN_READS.get((cu_q, cu_k), key, lambda: _read_varlen(cu_q, cu_k, q.shape[2], k.shape[2], q.device))
+    for name, given, actual in (("max_seqlen_q", max_q, varlen.max_seqlen_q),
+                                ("max_seqlen_k", max_k, varlen.max_seqlen_k)):
+        if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < actual):
+            raise ValueError(f"{name} must be an int >= the longest sequence ({actual}), got {given!r}")
+    return varlen
+
+
+def _read_varlen(cu_q, cu_k, total_q: int, total_k: int, device) -> Varlen:
+    """The offsets read to the host and checked; the ``Varlen`` of their non-empty sequences."""
     # Sequences empty in both q and k (a compiled model's fixed-size offsets are mostly those) are dropped on the
     # device, so only the real offsets reach the host (all empty: one empty sequence stays).
     real = (cu_q[1:] != cu_q[:-1]) | (cu_k[1:] != cu_k[:-1])
@@ -227,7 +270,7 @@ def _check_varlen(q, k, causal, cu_q, cu_k, max_q, max_k) -> Varlen:
     keep = torch.cat([real.new_ones(1), real])
     cu_q, cu_k = cu_q[keep], cu_k[keep]
     checked = []
-    for name, cu, total in (("cu_seqlens_q", cu_q, q.shape[2]), ("cu_seqlens_k", cu_k, k.shape[2])):
+    for name, cu, total in (("cu_seqlens_q", cu_q, total_q), ("cu_seqlens_k", cu_k, total_k)):
         host = cu.tolist()
         if host[0] != 0 or host[-1] != total or any(b < a for a, b in zip(host, host[1:])):
             raise ValueError(
@@ -240,16 +283,11 @@ def _check_varlen(q, k, causal, cu_q, cu_k, max_q, max_k) -> Varlen:
     for s, (lq, lk) in enumerate(zip(lens_q, lens_k)):
         if lq > lk:
             raise ValueError(f"sequence {s}: query length {lq} must be <= key length {lk} (bottom-right aligned)")
-    actual_q, actual_k = max(lens_q), max(lens_k)
-    for name, given, actual in (("max_seqlen_q", max_q, actual_q), ("max_seqlen_k", max_k, actual_k)):
-        if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < actual):
-            raise ValueError(f"{name} must be an int >= the longest sequence ({actual}), got {given!r}")
-    device = q.device
     return Varlen(
         cu_seqlens_q=cu_q.to(device=device, dtype=torch.int32),
         cu_seqlens_k=cu_k.to(device=device, dtype=torch.int32),
-        max_seqlen_q=actual_q,
-        max_seqlen_k=actual_k,
+        max_seqlen_q=max(lens_q),
+        max_seqlen_k=max(lens_k),
         equal_lengths=lens_q == lens_k,
     )
 
@@ -368,24 +406,31 @@ def _unpack_rows(x, index, batch, length, fill):
     return full.view(batch, length, *rows.shape[1:]).transpose(1, 2)
 
 
-def _padding_index(q, k, attention_mask):
+def _padding_plan(q, k, attention_mask):
+    """``None`` if every key is real, else ``padding_to_varlen``'s ``(q_index, k_index, varlen)`` (memoized)."""
     b, tk = k.shape[0], k.shape[2]
-    if attention_mask.shape != (b, tk):
-        raise ValueError(f"attention_mask must have shape [B, Tk] = {[b, tk]}, got {list(attention_mask.shape)}")
-    return padding_to_varlen(attention_mask.to(q.device), q.shape[2])
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != (b, tk):
+        got = list(getattr(attention_mask, "shape", [attention_mask]))
+        raise ValueError(f"attention_mask must have shape [B, Tk] = {[b, tk]}, got {got}")
+
+    def read():
+        return None if bool(attention_mask.all()) else padding_to_varlen(attention_mask.to(q.device), q.shape[2])
+
+    return _PADDING_READS.get((attention_mask,), (q.shape[2], str(q.device)), read)
 
 
-def _run_padded(run, q, k, v, layout, scale, attention_mask):
-    """``run`` (a backend's forward) on the real tokens of a padded batch; padded query rows give 0 (lse -inf)."""
-    q_index, k_index, varlen = _padding_index(q, k, attention_mask)
+def _run_padded(run, q, k, v, layout, scale, padding):
+    """``run`` (a backend's forward) on the real tokens of a padded batch (``padding``: ``_padding_plan``'s);
+    padded query rows give 0 (lse -inf)."""
+    q_index, k_index, varlen = padding
     out, lse = run(_pack_rows(q, q_index), _pack_rows(k, k_index), _pack_rows(v, k_index), layout, scale, varlen)
     b, tq = q.shape[0], q.shape[2]
     return _unpack_rows(out, q_index, b, tq, 0.0), _unpack_rows(lse, q_index, b, tq, -math.inf)
 
 
-def _run_padded_backward(run_backward, q, k, v, out, lse, dout, dlse, layout, scale, attention_mask):
+def _run_padded_backward(run_backward, q, k, v, out, lse, dout, dlse, layout, scale, padding):
     """``run_backward`` (a backend's backward) on the real tokens; padding gets zero gradients."""
-    q_index, k_index, varlen = _padding_index(q, k, attention_mask)
+    q_index, k_index, varlen = padding
     at_q, at_k = (lambda x: _pack_rows(x, q_index)), (lambda x: _pack_rows(x, k_index))
     dq, dk, dv = run_backward(at_q(q), at_k(k), at_k(v), at_q(out), at_q(lse), at_q(dout), at_q(dlse), layout, scale,
                               varlen)
@@ -418,16 +463,17 @@ def pattern_from_ints(values: tuple[int, ...]) -> S2Pattern:
 
 def _resolve_call(q, k, pattern, block_mask, block_size, causal, backend, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                   max_seqlen_k, attention_mask):
-    """The host-side part of a call (inside the ops): ``(layout, varlen, attention_mask, (forward, backward))``."""
-    varlen = None
+    """The host-side part of a call (inside the ops): ``(layout, varlen, padding, (forward, backward))``, where
+    ``padding`` is ``_padding_plan``'s (``None``: nothing padded, no packing)."""
+    varlen = padding = None
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         varlen = _check_varlen(q, k, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if attention_mask is not None and attention_mask.shape == (k.shape[0], k.shape[2]) and bool(attention_mask.all()):
-        attention_mask = None  # nothing padded: no packing
+    if attention_mask is not None:
+        padding = _padding_plan(q, k, attention_mask)
     max_seqlen_k = varlen.max_seqlen_k if varlen is not None else k.shape[2]
     pattern = None if pattern is None else pattern_from_ints(tuple(pattern))
     layout = _resolve_layout(q, k, pattern, block_mask, block_size, causal, max_seqlen_k)
-    return layout, varlen, attention_mask, _select_backend(backend, q)
+    return layout, varlen, padding, _select_backend(backend, q)
 
 
 @torch.library.custom_op(f"{OP_NAMESPACE}::attention", mutates_args=())
@@ -439,12 +485,12 @@ def attention_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``s2_attention``'s arguments (pattern as ``pattern_to_ints``) -> ``(out [B, Hq, Tq, D], lse [B, Hq, Tq])``;
     out stored ``[B, Tq, Hq, D]`` (``empty_heads_last``: what a model reads back without a copy), lse contiguous."""
-    layout, varlen, attention_mask, (forward, _) = _resolve_call(
+    layout, varlen, padding, (forward, _) = _resolve_call(
         q, k, pattern, block_mask, block_size, causal, backend, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, attention_mask,
     )
-    if attention_mask is not None:
-        out, lse = _run_padded(forward, q, k, v, layout, scale, attention_mask)
+    if padding is not None:
+        out, lse = _run_padded(forward, q, k, v, layout, scale, padding)
     else:
         out, lse = forward(q, k, v, layout, scale, varlen)
     return as_heads_last(out), lse.contiguous()
@@ -466,12 +512,12 @@ def attention_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``attention_op`` with respect to q, k, v (stored ``[B, T, H, D]``, as q, k, v usually are);
     ``dlse`` ``None`` when lse is unused."""
-    layout, varlen, attention_mask, (_, backward) = _resolve_call(
+    layout, varlen, padding, (_, backward) = _resolve_call(
         q, k, pattern, block_mask, block_size, causal, backend, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, attention_mask,
     )
-    if attention_mask is not None:
-        grads = _run_padded_backward(backward, q, k, v, out, lse, dout, dlse, layout, scale, attention_mask)
+    if padding is not None:
+        grads = _run_padded_backward(backward, q, k, v, out, lse, dout, dlse, layout, scale, padding)
     else:
         grads = backward(q, k, v, out, lse, dout, dlse, layout, scale, varlen)
     return tuple(as_heads_last(grad) for grad in grads)
