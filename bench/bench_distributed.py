@@ -21,8 +21,8 @@ added, the 50 losses, tokens/s and the median step time over steps 11-50 (11-48 
 include Triton's compilation and the kernels' autotuning), the peak memory of the fullest GPU
 (``train_peak_memory_gib`` of s2-train's train metrics), how the model was wrapped and checkpointed, and the wall
 time; for ``ddp`` and ``fsdp2`` also the largest ``|loss - single's loss|`` over the steps. The three loss curves go
-on one PNG beside the JSON (if matplotlib is
-installed). An arm that fails or passes ``--timeout`` is recorded with the tail of its output; the others still run.
+on one PNG beside the JSON (if matplotlib is installed). An arm that fails or passes ``--timeout`` is recorded with
+the tail of its output; the others still run.
 
 NVLink multicast (NVLS) stays off: ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and
 ``NVSHMEM_DISABLE_NVLS=1`` are set here and in every launched process's environment.

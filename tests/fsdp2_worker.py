@@ -3,10 +3,11 @@
 
 Every rank builds the same small S2 hybrid (4 layers, head_dim 64, tied embeddings; on CUDA its sparse and packed
 dense layers run the Triton kernels, on the CPU the PyTorch path), shards each decoder layer and then the model with
-``fully_shard`` as the accelerate FSDP2 config does, and takes two AdamW steps. Each step's global batch is a list of
-sequences packed with ``DataCollatorWithFlattening`` (the collator ``s2-train --packing`` uses); each rank packs its
-share of the sequences, so the ranks hold different numbers of tokens. Rank 0 also trains an unsharded float32 copy
-(same initial weights) on the whole batch, and a float64 copy on the CPU as the exact reference.
+``fully_shard`` as the accelerate FSDP2 config does, and runs two steps (forward and backward each, an AdamW step
+between them). Each step's global batch is a list of sequences packed with ``DataCollatorWithFlattening`` (the
+collator ``s2-train --packing`` uses); each rank packs its share of the sequences, so the ranks hold different numbers
+of tokens. Rank 0 also runs an unsharded float32 copy (same initial weights) on the whole batch, and a float64 copy on
+the CPU as the exact reference.
 
 The loss is token-weighted as ``Trainer`` weights it: each rank's summed token losses are divided by the token count
 of the whole global batch and multiplied by the world size, and FSDP averages the gradients over the ranks, so the
