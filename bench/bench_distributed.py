@@ -40,8 +40,9 @@ Commands::
 the step a rank would take with free communication, so ``2 x single_half`` tokens/s is the ideal 2-GPU rate.
 ``--profile`` has every process profile the last two steps (``torch.profiler``; they are then not timed): the record
 gains their wall time per step, the time some GPU work ran (the union of kernel, copy and set intervals on all
-streams), NCCL's share and the part of it no other GPU work overlapped; the arm's log gets the busiest kernels and
-host operations. ``--plot RESULTS.json`` redraws a run's loss plot (beside the JSON).
+streams), NCCL's share and the part of it no other GPU work overlapped, and the host's self time in the operations
+it recorded; the arm's log gets the busiest kernels and host operations. ``--plot RESULTS.json`` redraws a run's
+loss plot (beside the JSON).
 ``--tiny`` is a CPU smoke run of this script (a tiny model, the cached tiny tokenizer, a few steps, gloo; ``--prepare
 DIR --tiny`` writes its data): ``single`` and ``ddp`` (torchrun, as ``accelerate launch`` starts one process only
 with ``--cpu``), while ``fsdp2`` is recorded as skipped (accelerate applies FSDP on GPUs only; tests/fsdp2_worker.py
@@ -248,6 +249,8 @@ def profile_summary(profiler, wall_s: float, steps: tuple[int, ...], process: st
         events = json.loads(trace.read_text())["traceEvents"]
     split = {"steps": list(steps), "ms_per_step": gpu_time_split(events, wall_s, len(steps))}
     averages = profiler.key_averages()
+    # the host's own time in the operations the profiler records (a step is host-bound when this nears "wall")
+    split["ms_per_step"]["host_self"] = round(averages.self_cpu_time_total / 1e3 / len(steps), 2)
     print(f"profile of steps {steps}, {process}: {json.dumps(split)}\n"
           + averages.table(sort_by="self_device_time_total", row_limit=20) + "\n"
           + averages.table(sort_by="self_cpu_time_total", row_limit=20), flush=True)

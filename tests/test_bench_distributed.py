@@ -60,6 +60,7 @@ def test_tiny_run_ddp_matches_one_process_and_profiles(tiny_data, tmp_path):
         profile = arm["profile"]
         assert profile["steps"] == list(bench_distributed.profile_steps(bench_distributed.TINY_RUN))
         assert profile["ms_per_step"]["wall"] > 0 and profile["ms_per_step"]["gpu_busy"] == 0
+        assert 0 < profile["ms_per_step"]["host_self"]
         assert arm["timed_steps"] == f"{bench_distributed.TINY_RUN['skip_steps'] + 1}-{profile['steps'][0] - 1}"
     assert ddp["parallel_mode"] == "ParallelMode.DISTRIBUTED"
     assert ddp["steps"][-1]["tokens_seen"] == single["steps"][-1]["tokens_seen"]  # the same chunks
