@@ -202,7 +202,7 @@ def shape_selected(name: str, only: str | None) -> bool:
 
 def compare(rows: list, baselines: list, budget: float, only: str | None, save, rounds: int = 1) -> None:
     """Issue 9's table: s2 vs dkernel vs cuDNN dense causal (and FlexAttention with the identical mask, BLOCK_SIZE
-    128, on the block-64 rows), with ratios and per-FLOP efficiency vs cuDNN; then the dense-work rows. Each shape's
+    128, on every row), with ratios and per-FLOP efficiency vs cuDNN; then the dense-work rows. Each shape's
     implementations are measured in turn ``rounds`` times (rows carry their round; the table takes medians), so that
     a drift of the GPU's clocks during a shape weighs on all of them alike. ``save()`` after each shape: a run cut
     short keeps what it measured."""

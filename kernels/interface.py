@@ -239,7 +239,7 @@ _VARLEN_READS = HostReadMemo()
 _PADDING_READS = HostReadMemo()
 
 
-def _check_varlen(q, k, causal, cu_q, cu_k, max_q, max_k) -> Varlen:
+def _check_varlen(q, k, cu_q, cu_k, max_q, max_k) -> Varlen:
     if cu_q is None or cu_k is None:
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
     if q.shape[0] != 1:
@@ -467,7 +467,7 @@ def _resolve_call(q, k, pattern, block_mask, block_size, causal, backend, cu_seq
     ``padding`` is ``_padding_plan``'s (``None``: nothing padded, no packing)."""
     varlen = padding = None
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        varlen = _check_varlen(q, k, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        varlen = _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if attention_mask is not None:
         padding = _padding_plan(q, k, attention_mask)
     max_seqlen_k = varlen.max_seqlen_k if varlen is not None else k.shape[2]
