@@ -1,5 +1,6 @@
 """Other versions of a kernel module, for the GPU tools that compare or instrument kernels: a copy (another commit's,
-a variant) loaded beside the package's, and instrumented copies, text inserted at anchors of its source."""
+a variant) loaded beside the package's, another commit's whole kernels folder as a package of its own, and
+instrumented copies, text inserted at anchors of its source."""
 
 from __future__ import annotations
 
@@ -18,6 +19,19 @@ def load_version(path: str, prefix: str = "_version_"):
     sys.modules[name] = module  # dataclasses look their module up there (triton_impl's TileConfig)
     spec.loader.exec_module(module)
     return module
+
+
+def load_package(folder: str, name: str):
+    """The kernels folder ``folder`` (another commit's whole ``kernels/``, e.g. ``git archive REV kernels``) as a
+    package of its own named ``name``, beside ``s2_models.kernels``; its modules import each other relatively."""
+    init = Path(folder, "__init__.py")
+    if not init.is_file():
+        raise ValueError(f"folder must be a kernels folder holding __init__.py, got {folder!r}")
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(Path(folder))])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[name] = package
+    spec.loader.exec_module(package)
+    return package
 
 
 def patched_source(source: str, patches: list[tuple], name: str = "the kernel") -> str:

@@ -86,16 +86,41 @@ def test_a_padding_mask_is_read_once_and_again_after_an_in_place_write(reads):
     assert again[1, :, :3].abs().sum() == 0  # the newly padded queries: zero rows, as read after the write
 
 
-def test_a_checkpointed_packed_training_step_reads_its_offsets_once(reads):
-    """A hybrid model (a dense layer, sparse ones) on a collated packed batch, activation checkpointing on: every
-    layer's forward, recompute and backward use the batch's offsets, read from the device once."""
-    config = S2LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                           sparsity=hybrid_sparsity(3, {"block_size": 16, "local_blocks": 2, "vert_stride": 2},
-                                                    dense_layers=(0,)))
-    model = S2LlamaForCausalLM(config).train()
+def packed_training_step(device: str, attention_head_dim: int, pattern: dict):
+    """Loss and gradients of one checkpointed training step of a hybrid model (a dense layer, sparse ones) on a
+    collated packed batch, under bf16 autocast on a GPU."""
+    torch.manual_seed(0)
+    config = S2LlamaConfig(vocab_size=128, hidden_size=4 * attention_head_dim, intermediate_size=128,
+                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=attention_head_dim, max_position_embeddings=1024,
+                           sparsity=hybrid_sparsity(3, pattern, dense_layers=(0,)))
+    model = S2LlamaForCausalLM(config).to(device).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lengths = (45, 9, 70) if device == "cpu" else (300, 45, 700)
     batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
-        [{"input_ids": torch.randint(0, 128, (n,)).tolist()} for n in (45, 9, 70)])
-    model(**batch).loss.backward()
+        [{"input_ids": torch.randint(0, 128, (n,)).tolist()} for n in lengths])
+    batch = {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in batch.items()}
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()]
+
+
+def test_a_checkpointed_packed_training_step_reads_its_offsets_once(reads):
+    """Every layer's forward, recompute and backward use the batch's offsets, read from the device once."""
+    packed_training_step("cpu", 16, {"block_size": 16, "local_blocks": 2, "vert_stride": 2})
     assert reads["varlen"] == 1
+
+
+@pytest.mark.gpu
+def test_a_packed_training_step_on_the_gpu_reads_once_and_computes_what_reading_every_call_does(reads, monkeypatch):
+    """On the Triton kernels (deterministic backward): the step with the memo equals, bit for bit, the step that
+    reads the offsets in every call."""
+    pattern = {"block_size": 64, "local_blocks": 2, "vert_stride": 4}
+    loss, grads = packed_training_step("cuda", 64, pattern)
+    assert reads["varlen"] == 1
+    monkeypatch.setattr(interface.HostReadMemo, "get", lambda self, tensors, key, read: read())
+    unmemoized_loss, unmemoized_grads = packed_training_step("cuda", 64, pattern)
+    assert reads["varlen"] > 3
+    assert torch.isfinite(loss) and torch.equal(loss, unmemoized_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, unmemoized_grads))
