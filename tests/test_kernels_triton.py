@@ -147,6 +147,26 @@ def test_tile_shapes(monkeypatch, fwd, dq, dkdv, block_size):
     check_against_reference(7 * block_size, (1, 4, 2, 150, 180, 32), torch.float32, pattern)
 
 
+def test_dkdv_lists_leave_out_the_blocks_before_the_first_query(monkeypatch):
+    """Tq < Tk: the dk/dv lists hold no query block before the first query's (no query sits there; walked masked,
+    they cost 8x the real queries' work at 4096 of 32768 keys), and the gradients stay the reference's."""
+    built = []
+
+    def spy(mask, *args):
+        built.append((mask, args[-1]))  # args[-1]: resident_is_query
+        return build_unit_lists(mask, *args)
+
+    build_unit_lists = triton_impl.build_unit_lists
+    monkeypatch.setattr(triton_impl, "build_unit_lists", spy)
+    monkeypatch.setattr(triton_impl, "_UNIT_LIST_CACHE", type(triton_impl._UNIT_LIST_CACHE)())
+    pattern = S2Pattern(block_size=16, local_blocks=2, vert_stride=3)
+    check_against_reference(5, (1, 4, 2, 40, 200, 32), torch.float32, pattern)
+    first_block = (200 - 40) // 16
+    dkdv_masks = [mask for mask, resident_is_query in built if not resident_is_query]
+    assert dkdv_masks and all(not m[:, :first_block].any() and m[:, first_block:].any() for m in dkdv_masks)
+    assert all(m[:, :first_block].any() for m, resident_is_query in built if resident_is_query)
+
+
 def test_varlen_with_empty_sequence():
     lens_q, lens_k = [5, 0, 70, 33], [40, 0, 70, 100]
     cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
