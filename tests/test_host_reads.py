@@ -86,13 +86,13 @@ def test_a_padding_mask_is_read_once_and_again_after_an_in_place_write(reads):
     assert again[1, :, :3].abs().sum() == 0  # the newly padded queries: zero rows, as read after the write
 
 
-def packed_training_step(device: str, attention_head_dim: int, pattern: dict):
+def packed_training_step(device: str, head_dim: int, pattern: dict):
     """Loss and gradients of one checkpointed training step of a hybrid model (a dense layer, sparse ones) on a
     collated packed batch, under bf16 autocast on a GPU."""
     torch.manual_seed(0)
-    config = S2LlamaConfig(vocab_size=128, hidden_size=4 * attention_head_dim, intermediate_size=128,
+    config = S2LlamaConfig(vocab_size=128, hidden_size=4 * head_dim, intermediate_size=128,
                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=attention_head_dim, max_position_embeddings=1024,
+                           head_dim=head_dim, max_position_embeddings=1024,
                            sparsity=hybrid_sparsity(3, pattern, dense_layers=(0,)))
     model = S2LlamaForCausalLM(config).to(device).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
