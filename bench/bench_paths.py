@@ -102,7 +102,8 @@ def case_inputs(case: PathCase, heads: int, head_dim: int, device, dtype, genera
 
 
 def flex_mask_mod(case: PathCase, pattern: S2Pattern, heads: int, device):
-    """FlexAttention's ``mask_mod`` for ``case``: the S2 pattern at each token's position in its own sequence."""
+    """FlexAttention's ``mask_mod`` for ``case``: the S2 pattern at each token's position in its own sequence.
+    ``heads``: the pattern's heads, one per query head (the cases have as many KV heads as query heads)."""
     block = pattern.block_size
     longest = max(case.seq_lens) if case.seq_lens is not None else case.kv_len
     num_blocks = -(-longest // block)
