@@ -440,7 +440,7 @@ def main(argv=None) -> dict | Path | None:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run of the script (tiny model, gloo)")
     parser.add_argument("--plot", type=Path, metavar="JSON", help="only redraw the loss plot of a results JSON")
     parser.add_argument("--profile", action="store_true",
-                        help="profile the first two timed steps in every process (GPU time split)")
+                        help="profile the last two steps in every process (GPU time split); they are not timed")
     args = parser.parse_args(argv)
     if args.plot:
         return plot_losses(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
