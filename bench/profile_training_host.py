@@ -1,6 +1,6 @@
 """Where a small model's training step spends its host time (GPU): the S2 hybrid against LlamaForCausalLM.
 
-    python bench/profile_training_host.py --out bench/results/training_host_h100.json      # ~2 min on an H100
+    python bench/profile_training_host.py --out bench/results/training_host_h100.json      # ~4 min, cold caches
     python bench/profile_training_host.py --out /tmp/host.json --tiny                       # CPU smoke run
 
 Model: the 113M hybrid of ``quality_study.py --study scratch`` (12 layers, layers 0-1 dense; hidden 768, 12 query /
