@@ -184,8 +184,9 @@ def synchronizing_calls(step, device: str) -> dict:
     sites = Counter()
 
     def record(message, category, filename, lineno, file=None, line=None):
-        if "synchronizing" in str(message):
-            frames = [f for f in traceback.extract_stack()[:-1] if "warnings.py" not in f.filename]
+        frames = [f for f in traceback.extract_stack()[:-1] if "warnings.py" not in f.filename]
+        # (the first switch to "warn" in a process emits a message of its own: not a call of the step)
+        if "synchronizing" in str(message) and frames[-1].name != "set_sync_debug_mode":
             sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno}({f.name})" for f in frames[-6:][::-1])] += 1
 
     synchronize(device)
