@@ -52,20 +52,12 @@ from quality_study import DEFAULT_PATTERN, SCRATCH_CONFIG, TINY_CONFIG, TINY_PAT
 
 from s2_models import S2LlamaConfig, S2LlamaForCausalLM, hybrid_sparsity  # noqa: E402
 from s2_models.kernels import S2Pattern, s2_attention  # noqa: E402
+from s2_models.training.train import parse_overrides  # noqa: E402
 
 ARMS = ("s2-packed", "s2-batch", "llama-batch")
 RUN = dict(batch=16, length=2048, vocab_size=49152, config=SCRATCH_CONFIG, pattern=DEFAULT_PATTERN)
 # --tiny: a CPU smoke run of this script (tiny model, PyTorch attention path); its numbers mean nothing.
 TINY_RUN = dict(batch=2, length=128, vocab_size=512, config=TINY_CONFIG, pattern=TINY_PATTERN)
-
-
-def parse_config(text: str) -> dict:
-    """``quality_study``'s ``name=value,...`` model config as keyword arguments."""
-    fields = {}
-    for item in text.split(","):
-        name, value = item.split("=")
-        fields[name] = {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
-    return fields
 
 
 def arm_inputs(arm: str, run: dict, device: str) -> dict:
@@ -84,7 +76,7 @@ def arm_inputs(arm: str, run: dict, device: str) -> dict:
 def build(arm: str, run: dict, device: str):
     """The arm's model (float32 weights, checkpointing, training mode) and its AdamW."""
     torch.manual_seed(0)
-    fields = dict(parse_config(run["config"]), vocab_size=run["vocab_size"])
+    fields = dict(parse_overrides(run["config"]), vocab_size=run["vocab_size"])
     if arm.startswith("s2"):
         sparsity = hybrid_sparsity(fields["num_hidden_layers"], run["pattern"], dense_layers=(0, 1))
         model = S2LlamaForCausalLM(S2LlamaConfig(**fields, sparsity=sparsity))
@@ -207,7 +199,7 @@ def synchronizing_calls(step, device: str) -> dict:
 def attention_host_costs(device: str, calls: int, run: dict) -> dict:
     """Host us a call of the attention ops at a size whose kernels take microseconds (best of 3 loops): the arms'
     heads and head dim over 512 tokens (two packed sequences of 256 in the packed case)."""
-    fields = parse_config(run["config"])
+    fields = parse_overrides(run["config"])
     heads, kv_heads, head_dim = (fields[name] for name in ("num_attention_heads", "num_key_value_heads", "head_dim"))
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     pattern = S2Pattern(**run["pattern"])
