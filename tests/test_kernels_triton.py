@@ -160,8 +160,9 @@ def test_dkdv_lists_leave_out_the_blocks_before_the_first_query(monkeypatch):
     monkeypatch.setattr(triton_impl, "build_unit_lists", spy)
     monkeypatch.setattr(triton_impl, "_UNIT_LIST_CACHE", type(triton_impl._UNIT_LIST_CACHE)())
     pattern = S2Pattern(block_size=16, local_blocks=2, vert_stride=3)
-    check_against_reference(5, (1, 4, 2, 40, 200, 32), torch.float32, pattern)
-    first_block = (200 - 40) // 16
+    # 163 keys before the first query: its block (10) holds queries from its fourth row on, so it must stay
+    check_against_reference(5, (1, 4, 2, 37, 200, 32), torch.float32, pattern)
+    first_block = (200 - 37) // 16
     dkdv_masks = [mask for mask, resident_is_query in built if not resident_is_query]
     assert dkdv_masks and all(not m[:, :first_block].any() and m[:, first_block:].any() for m in dkdv_masks)
     assert all(m[:, :first_block].any() for m, resident_is_query in built if resident_is_query)
