@@ -577,8 +577,7 @@ def supported_dkdv(q: torch.Tensor, k: torch.Tensor, causal: bool, block_size: i
     """Whether the dK/dV kernel can run the call, given row views of q, dout, k and v (``triton_impl._row_view``)."""
     return (
         AVAILABLE and q.is_cuda and causal and same_tokens and q.dtype in (torch.float16, torch.bfloat16)
-        and q.dtype == k.dtype and q.shape[-1] in (64, 128) and block_size >= BLOCK_M
-        and torch.cuda.get_device_capability(q.device) == (9, 0)
+        and q.dtype == k.dtype and q.shape[-1] in (64, 128) and block_size >= BLOCK_M and hopper_fwd.is_sm90(q.device)
     )
 
 

@@ -651,9 +651,15 @@ def supported(q: torch.Tensor, k: torch.Tensor, causal: bool, block_size: int) -
     """Whether this kernel can run the call, given row views of q, k and v (``triton_impl._row_view``)."""
     return (
         AVAILABLE and q.is_cuda and causal and q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k.dtype
-        and q.shape[-1] in (64, 128) and block_size >= 32
-        and torch.cuda.get_device_capability(q.device) == (9, 0)
+        and q.shape[-1] in (64, 128) and block_size >= 32 and is_sm90(q.device)
     )
+
+
+@functools.cache
+def is_sm90(device: torch.device) -> bool:
+    """Whether ``device`` has compute capability 9.0, the one these kernels are written for (asked once a device:
+    the query is on every call's host path)."""
+    return torch.cuda.get_device_capability(device) == (9, 0)
 
 
 def launch(q, k, v, out, lse, row_views, lists, problem, qk_scale: float, block_size: int, block_n: int,

@@ -1,9 +1,10 @@
 """``s2_attention``: the one public entry point. Validates, resolves the sparsity, unpads, and dispatches.
 
-``s2_attention`` checks what the shapes tell, then calls the custom op ``s2::attention`` (its backward:
-``s2::attention_backward``), so that ``torch.compile(fullgraph=True)`` traces it as one opaque node with a fake
-(meta) implementation and registered autograd. Everything that reads data on the host (the ``cu_seqlens``, the
-padding mask, the block lists the kernels build and cache) happens inside the ops.
+``s2_attention`` checks what the shapes tell, then calls the custom op ``s2::attention`` through ``AttentionFunction``
+(an ``autograd.Function`` whose backward calls the custom op ``s2::attention_backward``), so that
+``torch.compile(fullgraph=True)`` traces each op as one opaque node with a fake (meta) implementation. Everything that
+reads data on the host (the ``cu_seqlens``, the padding mask, the block lists the kernels build and cache) happens
+inside the ops.
 
 Backends (``torch_impl``: ``s2_attention_torch`` / ``s2_attention_torch_bwd``; ``triton_impl``: the launchers
 ``s2_attention_fwd`` / ``s2_attention_bwd``) share one contract::
@@ -107,11 +108,19 @@ def s2_attention(
     check_backend(backend)  # the rest of the backend's checks (device, Triton) run inside the op
     _check_op_argument_types(block_mask, block_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              attention_mask)
-    out, lse = attention_op(
-        q, k, v, None if pattern is None else pattern_to_ints(pattern), block_mask, block_size, causal, scale, backend,
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attention_mask,
+    # Dynamo cannot trace an autograd.Function given one tensor in two inputs: a repeated q/k/v is passed as a view
+    # (autograd adds the gradients up in the base), shared offsets once (a new view of them would defeat the
+    # host-read memo, which knows tensors by identity).
+    if k is q:
+        k = k.view_as(k)
+    if v is q or v is k:
+        v = v.view_as(v)
+    offsets_shared = cu_seqlens_k is cu_seqlens_q is not None
+    return AttentionFunction.apply(
+        q, k, v, return_lse, None if pattern is None else pattern_to_ints(pattern), block_mask, block_size, causal,
+        scale, backend, cu_seqlens_q, None if offsets_shared else cu_seqlens_k, offsets_shared, max_seqlen_q,
+        max_seqlen_k, attention_mask,
     )
-    return (out, lse) if return_lse else out
 
 
 # ---------------------------------------------------------------------------------------------- dense layers
@@ -484,7 +493,8 @@ def attention_op(
     attention_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``s2_attention``'s arguments (pattern as ``pattern_to_ints``) -> ``(out [B, Hq, Tq, D], lse [B, Hq, Tq])``;
-    out stored ``[B, Tq, Hq, D]`` (``empty_heads_last``: what a model reads back without a copy), lse contiguous."""
+    out stored ``[B, Tq, Hq, D]`` (``empty_heads_last``: what a model reads back without a copy), lse contiguous.
+    Differentiable through ``AttentionFunction`` (``s2_attention``), not on its own."""
     layout, varlen, padding, (forward, _) = _resolve_call(
         q, k, pattern, block_mask, block_size, causal, backend, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, attention_mask,
@@ -528,28 +538,41 @@ def _attention_backward_fake(dout, dlse, q, k, v, *args):
     return empty_heads_last(q), empty_heads_last(k), empty_heads_last(v)
 
 
-def _attention_setup_context(ctx, inputs, output):
-    ctx.set_materialize_grads(False)  # an unused lse gets dlse None, not zeros the backward kernels would read
-    q, k, v, *arguments = inputs  # arguments: pattern ... attention_mask, passed on to the backward
-    ctx.tensor_positions = [i for i, argument in enumerate(arguments) if isinstance(argument, torch.Tensor)]
-    ctx.save_for_backward(q, k, v, *output, *(arguments[i] for i in ctx.tensor_positions))
-    ctx.arguments = [None if i in ctx.tensor_positions else argument for i, argument in enumerate(arguments)]
+class AttentionFunction(torch.autograd.Function):
+    """``attention_op`` with its gradient from ``attention_backward_op``: ``apply(q, k, v, return_lse, *arguments)``,
+    ``arguments`` those of ``attention_op`` after q, k, v, but for ``cu_seqlens_k``: ``None, True`` where it is
+    ``cu_seqlens_q`` itself, else ``cu_seqlens_k, False``. Returns ``out``, or ``(out, lse)`` with ``return_lse``.
 
+    Why not ``attention_op.register_autograd``: torch's generated autograd path rebuilds the op's 14 arguments from
+    its schema on every call with grad (``torch._library.utils.fill_defaults``, quadratic in the argument count),
+    ~55 us a call on the CPU machine, several times the op's other host cost (bench/NOTES.md, forty-third session).
+    Dynamo traces this function (its forward and backward hold the two opaque ops). Without ``return_lse`` the backward
+    gets no lse gradient, so the kernels skip reading one; ``set_materialize_grads`` (which would give ``None`` for an
+    unused lse in the other case too) does not trace.
+    """
 
-def _attention_backward(ctx, dout, dlse):
-    q, k, v, out, lse, *tensor_arguments = ctx.saved_tensors
-    arguments = list(ctx.arguments)
-    for i, tensor in zip(ctx.tensor_positions, tensor_arguments):
-        arguments[i] = tensor
-    if dout is None:
-        dout = torch.zeros_like(out)
-    # The backward runs in the forward's dtypes: an autocast region around loss.backward() (common in training
-    # loops) must not turn the PyTorch path's float32 math into 16-bit matmuls.
-    with torch.autocast(q.device.type, enabled=False) if q.device.type in AUTOCAST_DEVICE_TYPES else (
-        contextlib.nullcontext()
-    ):
-        dq, dk, dv = attention_backward_op(dout, dlse, q, k, v, out, lse, *arguments)
-    return dq, dk, dv, *(None for _ in arguments)
+    @staticmethod
+    def forward(ctx, q, k, v, return_lse, pattern, block_mask, block_size, causal, scale, backend, cu_seqlens_q,
+                cu_seqlens_k, offsets_shared, max_seqlen_q, max_seqlen_k, attention_mask):
+        out, lse = attention_op(q, k, v, pattern, block_mask, block_size, causal, scale, backend, cu_seqlens_q,
+                                cu_seqlens_q if offsets_shared else cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                attention_mask)
+        ctx.save_for_backward(q, k, v, out, lse, block_mask, cu_seqlens_q, cu_seqlens_k, attention_mask)
+        ctx.options = (pattern, block_size, causal, scale, backend, offsets_shared, max_seqlen_q, max_seqlen_k)
+        return (out, lse) if return_lse else out
 
-
-attention_op.register_autograd(_attention_backward, setup_context=_attention_setup_context)
+    @staticmethod
+    def backward(ctx, dout, *dlse):
+        q, k, v, out, lse, block_mask, cu_seqlens_q, cu_seqlens_k, attention_mask = ctx.saved_tensors
+        pattern, block_size, causal, scale, backend, offsets_shared, max_seqlen_q, max_seqlen_k = ctx.options
+        # The backward runs in the forward's dtypes: an autocast region around loss.backward() (common in training
+        # loops) must not turn the PyTorch path's float32 math into 16-bit matmuls.
+        with torch.autocast(q.device.type, enabled=False) if q.device.type in AUTOCAST_DEVICE_TYPES else (
+            contextlib.nullcontext()
+        ):
+            dq, dk, dv = attention_backward_op(
+                dout, dlse[0] if dlse else None, q, k, v, out, lse, pattern, block_mask, block_size, causal, scale,
+                backend, cu_seqlens_q, cu_seqlens_q if offsets_shared else cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                attention_mask,
+            )
+        return dq, dk, dv, *(None for _ in range(13))

@@ -2,7 +2,8 @@
 
 Entry points: the launchers ``s2_attention_fwd`` and ``s2_attention_bwd``, per the backend contract in
 ``interface.py``. Call chain: ``s2_attention_fwd_kernel`` -> ``s2_attention_fwd`` -> the custom op ``s2::attention``
-(``interface.attention_op``, whose registered autograd calls ``s2::attention_backward``) -> ``s2_attention``;
+(``interface.attention_op``; ``interface.AttentionFunction``'s backward calls ``s2::attention_backward``) ->
+``s2_attention``;
 backward: ``s2_attention_bwd_dq_kernel`` (which also stores the rows' softmax statistics) and
 ``s2_attention_bwd_dkdv_kernel`` -> ``s2_attention_bwd``. On compute capability 9.0 the forward's tuner also times
 the warp-specialized Gluon forward (``hopper_fwd.py``, ``TileConfig.gluon``), and the dq and dk/dv tuners the
@@ -113,7 +114,7 @@ def row_mask(row_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 @triton.jit
 def _descriptor_origin(seq, head, stride_b, stride_h, stride_t, TMA: tl.constexpr):
-    """``(row, column)`` where the rows of (sequence or batch row ``seq``, ``head``) start in a ``_row_descriptor``
+    """``(row, column)`` where the rows of (sequence or batch row ``seq``, ``head``) start in a ``_row_descriptors``
     view ``[rows, stride_t]`` of the tensor; ``(0, 0)`` when TMA is off."""
     if TMA:
         offset = seq.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h
@@ -148,7 +149,7 @@ def _fwd_step(
     """One online-softmax update of the query tile with a gathered tile of ``BLOCK_N`` keys.
 
     With ``TMA`` (unmasked causal steps whose key tile is one contiguous unit) K and V come through the tensor memory
-    accelerator: ``k_desc`` / ``v_desc`` view them as rows (``_row_descriptor``), the head's rows starting at
+    accelerator: ``k_desc`` / ``v_desc`` view them as rows (``_row_descriptors``), the head's rows starting at
     ``k_origin`` / ``v_origin`` (``_descriptor_origin``). Every key of such a step is real, so nothing is masked.
     """
     if TMA:
@@ -186,7 +187,7 @@ def _fwd_step(
 @triton.jit
 def s2_attention_fwd_kernel(
     q, k, v, out, lse,  # [B, Hq, Tq, D], [B, Hkv, Tk, D], [B, Hkv, Tk, D], [B, Hq, Tq, D], [B, Hq, Tq] float32
-    k_desc, v_desc,  # TMA descriptors of k and v (_row_descriptor), None unless TMA
+    k_desc, v_desc,  # TMA descriptors of k and v (_row_descriptors), None unless TMA
     unit_lists, unit_bits, unit_counts,  # int32 [P, num_q_tiles, L] kept key units and their keep bits (see
     # build_unit_lists); int32 [P, num_q_tiles, 2] (full, total)
     cu_seqlens_q, cu_seqlens_k,  # int32 [S + 1], read only when IS_VARLEN
@@ -451,7 +452,7 @@ def _bwd_dkdv_step(
 def s2_attention_bwd_dkdv_kernel(
     q, k, v, dout, lse_log2, delta, dk, dv,  # q/dout [B, Hq, Tq, D], k/v/dk/dv [B, Hkv, Tk, D], lse_log2/delta
     # [B, Hq, Tq] (stored by s2_attention_bwd_dq_kernel)
-    q_desc, do_desc,  # TMA descriptors of q and dout (_row_descriptor), None unless TMA
+    q_desc, do_desc,  # TMA descriptors of q and dout (_row_descriptors), None unless TMA
     unit_lists, unit_bits, unit_counts,  # int32 [P, num_k_tiles, L] query units reading each key tile, their keep
     # bits; int32 [P, num_k_tiles, 2]
     cu_seqlens_q, cu_seqlens_k,
@@ -793,24 +794,26 @@ def _pick_config(kind: str, key: tuple, head_dim: int, device: torch.device, lau
     """
     if _interpreting(device):
         return INTERPRETER_CONFIGS[kind]
+    full_key = (kind, *key)
+    autotune = os.environ.get("S2_ATTENTION_AUTOTUNE", "1") != "0"
+    if autotune and full_key in _TUNED_CONFIGS:  # every call after the first of a shape: nothing else to do
+        return _TUNED_CONFIGS[full_key]
     size = "small" if head_dim <= 64 else "medium" if head_dim <= 128 else "large"
     candidates = [c for c in _CANDIDATES[(kind, size)] if usable is None or usable(c)]
-    if os.environ.get("S2_ATTENTION_AUTOTUNE", "1") == "0" and candidates:
+    if not autotune and candidates:
         return candidates[0]
-    full_key = (kind, *key)
-    if full_key not in _TUNED_CONFIGS:
-        timings = {}
-        for config in candidates:
-            try:
-                timings[config] = triton.testing.do_bench(
-                    lambda c=config: launch(c), warmup=5, rep=30, return_mode="median"
-                )
-            except triton.runtime.errors.OutOfResources:  # e.g. too much shared memory for this head dim
-                continue
-        if not timings:
-            raise RuntimeError(f"no {kind} tile config fits head_dim={head_dim} on this GPU")
-        TUNING_TIMINGS[full_key] = timings
-        _TUNED_CONFIGS[full_key] = min(timings, key=timings.get)
+    timings = {}
+    for config in candidates:
+        try:
+            timings[config] = triton.testing.do_bench(
+                lambda c=config: launch(c), warmup=5, rep=30, return_mode="median"
+            )
+        except triton.runtime.errors.OutOfResources:  # e.g. too much shared memory for this head dim
+            continue
+    if not timings:
+        raise RuntimeError(f"no {kind} tile config fits head_dim={head_dim} on this GPU")
+    TUNING_TIMINGS[full_key] = timings
+    _TUNED_CONFIGS[full_key] = min(timings, key=timings.get)
     return _TUNED_CONFIGS[full_key]
 
 
@@ -845,14 +848,27 @@ def _problem(q: torch.Tensor, k: torch.Tensor, layout: BlockLayout, varlen: Varl
         cu_q, cu_k = varlen.cu_seqlens_q, varlen.cu_seqlens_k
     else:
         num_seqs, max_q, max_k = batch, seqlen_q, k.shape[2]
-        cu_q = cu_k = torch.zeros(1, dtype=torch.int32, device=q.device)
+        cu_q = cu_k = _unused_offsets(q.device)
     # Lengths are bucketed to powers of two so that varying batches reuse one tuned config.
     tune_key = (
-        batch, num_q_heads, k.shape[1], layout.num_pattern_heads, triton.next_power_of_2(max(1, max_q)),
-        triton.next_power_of_2(max(1, max_k)), head_dim, q.dtype, layout.block_size, layout.causal,
+        batch, num_q_heads, k.shape[1], layout.num_pattern_heads, _next_power_of_2(max_q), _next_power_of_2(max_k),
+        head_dim, q.dtype, layout.block_size, layout.causal,
         varlen is not None, str(q.device),
     )
     return _Problem(num_seqs, max_q, max_k, varlen is not None, cu_q, cu_k, tune_key)
+
+
+@functools.cache
+def _unused_offsets(device: torch.device) -> torch.Tensor:
+    """The offsets arguments of a call that is not varlen (the kernels do not read them): one tensor per device, not
+    an allocation and a fill kernel every call."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def _next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``); plain Python, where ``triton.next_power_of_2`` (a
+    ``constexpr_function`` in newer Triton) costs a few microseconds a call on the launch path."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 @functools.cache
@@ -866,44 +882,41 @@ def _use_tma(layout: BlockLayout, gathered_tile: int, head_dim: int, device: tor
     contiguous unit of rows (``block_size >= gathered_tile``), causal (so every row of an unmasked step is real, and
     a box never needs a mask), ``D`` a power of two (a box is exactly one head's row) and the GPU has TMA."""
     return (_USE_TMA and layout.causal and layout.block_size >= gathered_tile
-            and head_dim == triton.next_power_of_2(head_dim) and _has_tma(device))
+            and head_dim == _next_power_of_2(head_dim) and _has_tma(device))
 
 
 def _row_view(t: torch.Tensor) -> tuple[list[int], list[int]] | None:
     """``(shape, strides)`` of ``t [B, H, T, D]`` seen as ``[rows, t.stride(2)]``, or None where its layout does not
     allow that: every head's rows must lie inside rows of ``stride(2)`` elements, as in ``[B, H, T, D]`` contiguous or
     the ``[B, T, H, D]`` projection output seen through a transpose. TMA descriptors over this view give the kernels
-    a head's rows from its offset (``_descriptor_origin``), without copies."""
-    batch, heads, _, head_dim = t.shape
-    row_stride = t.stride(2)
+    a head's rows from its offset (``_descriptor_origin``), without copies. A launcher computes each tensor's view
+    once a call (they are on its host path)."""
+    batch, heads, seqlen, head_dim = t.shape
+    stride_b, stride_h, row_stride, stride_d = t.stride()
     # (A broadcast tensor, e.g. the output gradient of a sum, has row stride 0: no view.)
-    aligned = row_stride > 0 and t.stride(3) == 1 and (row_stride * t.element_size()) % 16 == 0
+    aligned = row_stride > 0 and stride_d == 1 and (row_stride * t.element_size()) % 16 == 0
     if not (aligned and t.data_ptr() % 16 == 0):
         return None
-    heads_fit = t.stride(1) % row_stride == 0 or t.stride(1) * (heads - 1) + head_dim <= row_stride
-    if not (heads_fit and (batch == 1 or t.stride(0) % row_stride == 0)):
+    heads_fit = stride_h % row_stride == 0 or stride_h * (heads - 1) + head_dim <= row_stride
+    if not (heads_fit and (batch == 1 or stride_b % row_stride == 0)):
         return None
-    extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+    extent = (batch - 1) * stride_b + (heads - 1) * stride_h + (seqlen - 1) * row_stride + head_dim
     return [-(-extent // row_stride), row_stride], [row_stride, 1]
 
 
-def _row_descriptor(t: torch.Tensor, block_rows: int):
-    """A TMA descriptor over ``_row_view(t)`` with boxes of ``[block_rows, D]``, or None."""
-    view = _row_view(t)
-    return None if view is None else TensorDescriptor(t, *view, [block_rows, t.shape[-1]])
-
-
-def _row_descriptors(use_tma: bool, block_rows: int, *tensors: torch.Tensor) -> tuple:
-    """``_row_descriptor`` of each tensor when ``use_tma`` and all of them allow one, else Nones."""
-    descriptors = tuple(_row_descriptor(t, block_rows) for t in tensors) if use_tma else ()
-    return descriptors if descriptors and None not in descriptors else (None,) * len(tensors)
+def _row_descriptors(use_tma: bool, block_rows: int, tensors: tuple, row_views: tuple) -> tuple:
+    """TMA descriptors of ``tensors`` over their ``row_views`` (``_row_view``'s), boxes of ``[block_rows, D]``, when
+    ``use_tma`` and every tensor has a view; else Nones."""
+    if not use_tma or None in row_views:
+        return (None,) * len(tensors)
+    return tuple(TensorDescriptor(t, *view, [block_rows, t.shape[-1]]) for t, view in zip(tensors, row_views))
 
 
 def _common_constexprs(q: torch.Tensor, layout: BlockLayout, problem: _Problem) -> dict:
     head_dim = q.shape[-1]
     return dict(
         HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),  # D = 80, 96, ... are padded to a power of two and masked
+        BLOCK_D=_next_power_of_2(head_dim),  # D = 80, 96, ... are padded to a power of two and masked
         BLOCK_SIZE=layout.block_size,
         CAUSAL=layout.causal,
         IS_VARLEN=problem.is_varlen,
@@ -927,7 +940,7 @@ def s2_attention_fwd(
     if q.numel() == 0:
         return out, lse.fill_(-math.inf)
     problem = _problem(q, k, layout, varlen)
-    row_views = (_row_view(q), _row_view(k), _row_view(v))
+    row_views = tuple(_row_view(t) for t in (q, k, v))
     warp_specialized_ok = hopper_fwd.supported(q, k, layout.causal, layout.block_size) and None not in row_views
 
     def usable(config: TileConfig) -> bool:
@@ -941,7 +954,8 @@ def s2_attention_fwd(
                               layout.block_size, config.block_n, layout.num_pattern_heads, config.num_stages)
             return
         grid = (problem.num_q_tiles(config.block_m), num_q_heads, problem.num_seqs)
-        k_desc, v_desc = _row_descriptors(_use_tma(layout, config.block_n, head_dim, q.device), config.block_n, k, v)
+        k_desc, v_desc = _row_descriptors(_use_tma(layout, config.block_n, head_dim, q.device), config.block_n,
+                                          (k, v), row_views[1:])
         s2_attention_fwd_kernel[grid](
             q, k, v, out, lse, k_desc, v_desc, units, bits, counts, problem.cu_seqlens_q, problem.cu_seqlens_k,
             *problem.strides(q), *problem.strides(k), *problem.strides(v), *problem.strides(out),
@@ -981,7 +995,8 @@ def s2_attention_bwd(
     tail_args = (seqlen_q, k.shape[2], *stats_strides, scale, scale * LOG2E,
                  num_q_heads // layout.num_pattern_heads, num_q_heads // num_kv_heads)
 
-    dq_row_views = tuple(_row_view(t) for t in (q, dout, out, k, v))
+    q_view, dout_view, out_view, k_view, v_view = (_row_view(t) for t in (q, dout, out, k, v))
+    dq_row_views = (q_view, dout_view, out_view, k_view, v_view)
     gluon_dq_ok = hopper_bwd.supported_dq(q, k, layout.causal, layout.block_size) and None not in dq_row_views
 
     def usable_dq(config: TileConfig) -> bool:
@@ -995,7 +1010,8 @@ def s2_attention_bwd(
                                  layout.num_pattern_heads, config.num_stages)
             return
         grid = (problem.num_q_tiles(config.block_m), num_q_heads, problem.num_seqs)
-        k_desc, v_desc = _row_descriptors(_use_tma(layout, config.block_n, head_dim, q.device), config.block_n, k, v)
+        k_desc, v_desc = _row_descriptors(_use_tma(layout, config.block_n, head_dim, q.device), config.block_n,
+                                          (k, v), (k_view, v_view))
         s2_attention_bwd_dq_kernel[grid](
             q, k, v, out, dout, lse, dlse, dq, lse_log2, delta, k_desc, v_desc, units, bits, counts,
             problem.cu_seqlens_q, problem.cu_seqlens_k,
@@ -1013,7 +1029,7 @@ def s2_attention_bwd(
 
     # Queries start at block (Tk - Tq) // block_size of every row (packed sequences each have their own start).
     first_query_block = 0 if problem.is_varlen else (problem.max_seqlen_k - problem.max_seqlen_q) // layout.block_size
-    dkdv_row_views = tuple(_row_view(t) for t in (q, dout, k, v))
+    dkdv_row_views = (q_view, dout_view, k_view, v_view)
     gluon_dkdv_ok = (hopper_bwd.supported_dkdv(q, k, layout.causal, layout.block_size, same_tokens)
                      and None not in dkdv_row_views)
 
@@ -1034,7 +1050,8 @@ def s2_attention_bwd(
             dk_out, dv_out = (torch.empty(split, *k.shape, dtype=torch.float32, device=k.device) for _ in "kv")
         grid = (triton.cdiv(problem.max_seqlen_k, config.block_n), split * num_kv_heads, problem.num_seqs)
         q_desc, do_desc = _row_descriptors(
-            same_tokens and _use_tma(layout, config.block_m, head_dim, q.device), config.block_m, q, dout
+            same_tokens and _use_tma(layout, config.block_m, head_dim, q.device), config.block_m, (q, dout),
+            (q_view, dout_view),
         )
         s2_attention_bwd_dkdv_kernel[grid](
             q, k, v, dout, lse_log2, delta, dk_out, dv_out, q_desc, do_desc, units, bits, counts,

@@ -12,6 +12,7 @@ from test_static_cache import GREEDY, left_padded
 from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
+from s2_models.kernels import interface, s2_attention
 from s2_models.kernels.decode import (
     CompactLayout,
     cache_append_op,
@@ -50,7 +51,9 @@ def test_patterns_pass_through_the_ops_unchanged(pattern):
 
 @pytest.mark.parametrize("case", ["plain", "padded", "packed", "triton"])
 def test_attention_ops_pass_opcheck(case):
-    """Schema, fake (meta) implementation, autograd registration and AOT dispatch with dynamic shapes."""
+    """Schema, fake (meta) implementation and AOT dispatch with dynamic shapes. The forward op has no autograd of its
+    own (``AttentionFunction`` differentiates it, tested by the fullgraph training steps below), so it is checked
+    without grad."""
     q, k, v = qkv(1 if case == "packed" else 2, 45)
     kwargs = {}
     if case == "padded":
@@ -58,11 +61,47 @@ def test_attention_ops_pass_opcheck(case):
     if case == "packed":
         kwargs["cu_seqlens"] = torch.tensor([0, 17, 17, 45], dtype=torch.int32)
     args = (q, k, v, *attention_args(q, k, backend="triton" if case == "triton" else "torch", **kwargs))
-    torch.library.opcheck(attention_op, args)
-    out, lse = attention_op(*args)
-    dout, dlse = torch.randn_like(out), torch.randn_like(lse).masked_fill(~torch.isfinite(lse), 0)
     detached = [x.detach() for x in (q, k, v)]
-    torch.library.opcheck(attention_backward_op, (dout, dlse, *detached, out.detach(), lse.detach(), *args[3:]))
+    torch.library.opcheck(attention_op, (*detached, *args[3:]),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    out, lse = attention_op(*detached, *args[3:])
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse).masked_fill(~torch.isfinite(lse), 0)
+    torch.library.opcheck(attention_backward_op, (dout, dlse, *detached, out, lse, *args[3:]))
+
+
+def test_repeated_inputs_and_shared_offsets_trace_and_match_eager():
+    """One tensor as q, k and v, and one offsets tensor as cu_seqlens_q and cu_seqlens_k (what a packed batch's model
+    passes): Dynamo refuses an autograd.Function given one tensor twice, so ``s2_attention`` passes them apart;
+    output and gradient equal eager's."""
+    x = torch.randn(1, 2, 45, 16, requires_grad=True)
+    cu = torch.tensor([0, 17, 45], dtype=torch.int32)
+
+    def attend(x):
+        return s2_attention(x, x, x, PATTERN, cu_seqlens_q=cu, cu_seqlens_k=cu).square().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)(x)
+    (compiled_grad,) = torch.autograd.grad(compiled, x)
+    eager = attend(x)
+    (eager_grad,) = torch.autograd.grad(eager, x)
+    torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(compiled_grad, eager_grad, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_the_backward_gets_an_lse_gradient_only_when_lse_is_returned(return_lse, monkeypatch):
+    """Without ``return_lse`` the backward op gets ``dlse=None`` (the kernels then read no lse gradient); with it, the
+    lse gradient (zeros where lse is unused: autograd materializes it)."""
+    seen = []
+    backward_op = interface.attention_backward_op
+    monkeypatch.setattr(interface, "attention_backward_op", lambda dout, dlse, *rest: seen.append(dlse) or
+                        backward_op(dout, dlse, *rest))
+    q, k, v = qkv(2, 45)
+    result = s2_attention(q, k, v, PATTERN, return_lse=return_lse)
+    (result[0] if return_lse else result).sum().backward()
+    assert (seen[0] is None) == (not return_lse)
+    if return_lse:
+        assert not seen[0].any()
 
 
 def decode_problem(backend="torch"):

@@ -304,6 +304,12 @@ def test_dkdv_group_split_matches_reference(monkeypatch, group_split, dtype):
     check_against_reference(150 + group_split, (2, 8, 2, 151, 151, 32), dtype, pattern)
 
 
+def test_the_launchers_power_of_two_is_tritons():
+    """The launch path's plain-Python ``_next_power_of_2`` (tune keys, ``BLOCK_D``, the TMA check) equals Triton's."""
+    for n in range(1, 1100):
+        assert triton_impl._next_power_of_2(n) == triton_impl.triton.next_power_of_2(n), n
+
+
 @pytest.mark.parametrize("resident_is_query", [True, False], ids=["query-tiles", "key-tiles"])
 def test_unit_lists_cover_exactly_the_kept_units(resident_is_query):
     """Full entries are kept by every block of the tile and need no causal mask; full + partial = the kept set. The
