@@ -544,8 +544,9 @@ class AttentionFunction(torch.autograd.Function):
     ``cu_seqlens_q`` itself, else ``cu_seqlens_k, False``. Returns ``out``, or ``(out, lse)`` with ``return_lse``.
 
     Why not ``attention_op.register_autograd``: torch's generated autograd path rebuilds the op's 14 arguments from
-    its schema on every call with grad (``torch._library.utils.fill_defaults``, quadratic in the argument count),
-    ~55 us a call on the CPU machine, several times the op's other host cost (bench/NOTES.md, forty-third session).
+    its schema on every call with grad (``torch._library.utils.fill_defaults``, quadratic in the argument count):
+    ~55 us a call on the CPU machine, a tenth of a whole forward and backward's host path there with the kernels
+    stubbed out (bench/NOTES.md, forty-third session).
     Dynamo traces this function (its forward and backward hold the two opaque ops). Without ``return_lse`` the backward
     gets no lse gradient, so the kernels skip reading one; ``set_materialize_grads`` (which would give ``None`` for an
     unused lse in the other case too) does not trace.
