@@ -49,13 +49,13 @@ def compile_kernel(kind: str, head_dim: int, block_size: int, kernel_file=None):
         if kind == "dq":
             config = triton_impl._GLUON_DQ[0]
             lists = triton_impl._unit_lists(layout, config.block_m, config.block_n, resident_is_query=True)
-            row_views = tuple(triton_impl._row_view(t) for t in (q, dout, out, k, v))
+            row_views = tuple(triton_impl.row_view(t) for t in (q, dout, out, k, v))
             hopper_bwd.launch_dq(q, k, v, out, dout, stats[0], None, triton_impl.empty_heads_last(q), *stats[1:],
                                  row_views, lists, problem, 0.1, 0.1, block_size, heads, config.num_stages)
         else:
             config = triton_impl._GLUON_DKDV[0]
             lists = triton_impl._unit_lists(layout, config.block_n, config.block_m, resident_is_query=False)
-            row_views = tuple(triton_impl._row_view(t) for t in (q, dout, k, v))
+            row_views = tuple(triton_impl.row_view(t) for t in (q, dout, k, v))
             hopper_bwd.launch_dkdv(q, dout, k, v, *stats[1:], triton_impl.empty_heads_last(k),
                                    triton_impl.empty_heads_last(v), row_views, lists, problem, 0.1, 0.1, block_size,
                                    heads, config.num_stages)

@@ -85,7 +85,7 @@ def compile_kernel(head_dim: int, block_size: int, block_n: int | None = None, n
     layout = BlockLayout(pattern.block_mask(num_heads=heads, num_q_blocks=blocks, num_kv_blocks=blocks), block_size,
                          True, None)
     lists = triton_impl._unit_lists(layout, hopper_fwd.BLOCK_M, block_n, resident_is_query=True, split_first=True)
-    row_views = tuple(triton_impl._row_view(t) for t in (q, k, v))
+    row_views = tuple(triton_impl.row_view(t) for t in (q, k, v))
     hopper_fwd.s2_attention_fwd_ws_kernel, hopper_fwd._num_sms = _Warmup(), lambda device: 132
     try:
         hopper_fwd.launch(q, k, v, triton_impl.empty_heads_last(q), torch.empty(batch, heads, seqlen), row_views,

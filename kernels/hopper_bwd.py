@@ -28,7 +28,7 @@ fifth session's Gluon dK/dV lost 2x to that). Partitions:
 Scope (``supported``): causal, queries and keys the same tokens (training: ``Tq == Tk``, or varlen with equal
 lengths), so that a query unit's rows start where its keys do and a TMA box needs no mask; 16-bit inputs, head dim 64
 or 128, ``block_size >= 64`` (a list entry is one contiguous box), compute capability 9.0, and tensors
-``triton_impl._row_view`` can view as rows. Rows past a sequence's end inside its last unit read the next rows of the
+``layouts.row_view`` can view as rows. Rows past a sequence's end inside its last unit read the next rows of the
 tensor (finite) or TMA's zeros; their lse is read as ``+inf``, so their ``P`` and ``dS`` are 0. Keys past the end are
 computed and not stored. Everything else stays on the Triton kernel, and the tuner runs this one where it is faster
 (on an H100, forced: the backward 1.01-1.17x at every shape of issue 9 with blocks >= 64; in the tuner's short
@@ -278,7 +278,7 @@ if AVAILABLE:
 
     @gluon.jit
     def s2_attention_bwd_dkdv_ws_kernel(
-        q_desc, do_desc, k_desc, v_desc,  # row descriptors (triton_impl._row_view), boxes [BLOCK_M, D], [BLOCK_N, D]
+        q_desc, do_desc, k_desc, v_desc,  # row descriptors (layouts.row_view), boxes [BLOCK_M, D], [BLOCK_N, D]
         lse_log2, delta, dk, dv,  # [B, Hq, T] float32 x 2 (stored by the dq kernel), [B, Hkv, T, D] x 2
         unit_lists, unit_bits, unit_counts,  # the dk/dv lists for BLOCK_N-key tiles (build_unit_lists)
         cu_seqlens_q, cu_seqlens_k,  # int32 [S + 1], read only when IS_VARLEN
@@ -574,7 +574,7 @@ if AVAILABLE:
 
 
 def supported_dkdv(q: torch.Tensor, k: torch.Tensor, causal: bool, block_size: int, same_tokens: bool) -> bool:
-    """Whether the dK/dV kernel can run the call, given row views of q, dout, k and v (``triton_impl._row_view``)."""
+    """Whether the dK/dV kernel can run the call, given row views of q, dout, k and v (``layouts.row_view``)."""
     return (
         AVAILABLE and q.is_cuda and causal and same_tokens and q.dtype in (torch.float16, torch.bfloat16)
         and q.dtype == k.dtype and q.shape[-1] in (64, 128) and block_size >= BLOCK_M and hopper_fwd.is_sm90(q.device)
@@ -584,7 +584,7 @@ def supported_dkdv(q: torch.Tensor, k: torch.Tensor, causal: bool, block_size: i
 def launch_dkdv(q, dout, k, v, lse_log2, delta, dk, dv, row_views, lists, problem, scale: float, qk_scale: float,
                 block_size: int, num_pattern_heads: int, num_buffers: int) -> None:
     """Run the kernel. ``row_views``: ``(shape, strides)`` of q, dout, k and v seen as rows
-    (``triton_impl._row_view``); ``lists``: the dk/dv lists for ``BLOCK_N``-key tiles and ``BLOCK_M``-query units;
+    (``layouts.row_view``); ``lists``: the dk/dv lists for ``BLOCK_N``-key tiles and ``BLOCK_M``-query units;
     ``problem``: ``triton_impl._Problem``; ``lse_log2``, ``delta``: contiguous ``[B, Hq, T]``."""
     units, bits, counts = lists
     head_dim = q.shape[-1]

@@ -31,6 +31,9 @@ two heads, whose K and V blocks they share in L2); with items assigned round-rob
   issued first, and products complete in order). The ring steps run on across items: an item's last step issues,
   with its ``P V``, the next item's first scores from the other Q buffer, so that no item starts with an empty queue
   (1.016-1.045x at block 64 and D=64 on an H100, 0.99-1.01x at blocks 32 and 128; bench/NOTES.md).
+  Each consumer's output rows leave through one TMA copy out of its half of the item's Q buffer, which no product
+  reads any more (the buffer is released to the loader once the copy has read it): 1.02-1.05x over per-thread
+  stores on an H100, 1.05x at 16 x 8192 (bench/NOTES.md, forty-fourth session).
   The consumers do not take turns (FlashAttention-3's ping-pong measured 1.00x here): the second one starts as far
   behind the first as the ring allows (``_start_second_consumer``, ``NUM_V_BUFFERS - 2`` ring steps), so that their
   item boundaries (the epilogue and the next item's first softmax, with little to issue to the tensor cores) fall
@@ -38,7 +41,7 @@ two heads, whose K and V blocks they share in L2); with items assigned round-rob
   with D = 128's 3 slots, one step, 0.99-1.03x (bench/NOTES.md).
 
 Scope (``supported``): causal, 16-bit inputs, head dim 64 or 128, ``block_size >= 32``, compute capability 9.0, and
-tensors ``triton_impl._row_view`` can view as rows. Everything else stays on the Triton forward, and the tuner picks
+tensors ``layouts.row_view`` can view as rows. Everything else stays on the Triton forward, and the tuner picks
 this kernel only where it is faster (on an H100: at D = 128, and at D = 64 only with long sequences; bench/NOTES.md).
 """
 
@@ -48,6 +51,7 @@ import functools
 
 import torch
 
+from .layouts import row_view
 from .sequence_bounds import sequence_bounds
 from .triton_setup import triton  # noqa: F401 (a clear error where Triton is missing)
 
@@ -55,7 +59,13 @@ try:  # Gluon is experimental: its absence (or a changed API) only removes this 
     from triton import language as tl  # for int64 arguments (tl.int64; Gluon's annotations are Triton's)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
     AVAILABLE = True
@@ -139,7 +149,7 @@ if AVAILABLE:
     @gluon.jit
     def head_origin(seq, head, stride_b, stride_h, stride_t):
         """Where head ``head`` of batch row (or packed sequence) ``seq`` starts in a row descriptor's
-        ``[rows, stride_t]`` view (``triton_impl._row_view``): ``(row, column)``."""
+        ``[rows, stride_t]`` view (``layouts.row_view``): ``(row, column)``."""
         offset = seq.to(gl.int64) * stride_b + head.to(gl.int64) * stride_h
         return (offset // stride_t).to(gl.int32), (offset % stride_t).to(gl.int32)
 
@@ -154,22 +164,29 @@ if AVAILABLE:
         return gl.max(work_smem.load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
 
     @gluon.jit
-    def publish_item(record, work, num_full, num_entries, split):
-        """Store work item ``work`` and its list counts in ``record`` (``[4]`` int32 of shared memory) for the
-        consumers, which then do not load the counts (an L2 round trip, on their path from one item to the next)."""
-        fields = gl.arange(0, 4, layout=gl.BlockedLayout([4], [32], [1], [0]))
-        record.store(gl.where(fields == 0, work, gl.where(fields == 1, num_full,
-                                                          gl.where(fields == 2, num_entries, split))))
+    def publish_item(record, work, num_full, num_entries, split, tile_first):
+        """Store work item ``work``, its list counts and its tile's first position in ``record`` (``[8]`` int32 of
+        shared memory) for the consumers, which then do not load the counts (an L2 round trip, on their path from one
+        item to the next); the epilogue reads the position (``published_tile_first``)."""
+        fields = gl.arange(0, 8, layout=gl.BlockedLayout([8], [32], [1], [0]))
+        record.store(gl.where(fields == 0, work, gl.where(fields == 1, num_full, gl.where(
+            fields == 2, num_entries, gl.where(fields == 3, split, tile_first)))))
 
     @gluon.jit
     def published_item(record):
         """What ``publish_item`` stored (read by a 4-warp consumer after waiting for the item's ``q_ready``):
         ``(work, num_full, num_entries, split)``."""
         layout: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
-        values = record.load(layout)
+        values = record.slice(0, 4).load(layout)
         fields = gl.arange(0, 4, layout=layout)
         return (gl.sum(gl.where(fields == 0, values, 0), axis=0), gl.sum(gl.where(fields == 1, values, 0), axis=0),
                 gl.sum(gl.where(fields == 2, values, 0), axis=0), gl.sum(gl.where(fields == 3, values, 0), axis=0))
+
+    @gluon.jit
+    def published_tile_first(record):
+        """The tile's first position that ``publish_item`` stored (read by a 4-warp consumer): re-read by the epilogue
+        rather than kept through the item's steps, where registers are short (offline, ptxas spilled 8 bytes more)."""
+        return gl.max(record.slice(4, 1).load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
 
     @gluon.jit
     def consumer_rows(tile_first, consumer: gl.constexpr, ROWS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
@@ -306,7 +323,7 @@ if AVAILABLE:
             first_row = q_start + tile_first - first_pos
             qb = iteration % 2
             mbarrier.wait(q_free.index(qb), ((iteration // 2) & 1) ^ 1)
-            publish_item(work_smem.index(qb), work, num_full, num_entries, split)
+            publish_item(work_smem.index(qb), work, num_full, num_entries, split, tile_first)
             mbarrier.expect(q_ready.index(qb), 2 * q_desc.block_type.nbytes)
             row, col = head_origin(seq, q_head, q_strides[0], q_strides[1], q_strides[2])
             for half in gl.static_range(2):
@@ -339,28 +356,56 @@ if AVAILABLE:
             split = n_split
         qb = iteration % 2
         mbarrier.wait(q_free.index(qb), ((iteration // 2) & 1) ^ 1)
-        publish_item(work_smem.index(qb), num_work, 0, 0, 0)  # the stop: an item without entries
+        publish_item(work_smem.index(qb), num_work, 0, 0, 0, 0)  # the stop: an item without entries
         mbarrier.arrive(q_ready.index(qb), count=1)
 
     @gluon.jit
-    def _store_item(acc, m_i, l_i, q_pos, seq, q_head, q_start, first_pos, seqlen_k_seq, qk_scale, out_args,
-                    o_layout: gl.constexpr):
-        """The epilogue: a work item's normalized output rows and their lse (natural log)."""
-        out, lse, stride_ob, stride_oh, stride_ot, stride_lb, stride_lh, stride_lt = out_args
+    def _fast_reciprocal(x):
+        """``1 / x`` to about an ulp (``rcp.approx``): the epilogue's per-row divisions, where the IEEE division's
+        Newton steps and special cases added a dependent chain to every item's boundary."""
+        return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
+                                         pack=1)
+
+    @gluon.jit
+    def _fast_log2(x):
+        """``log2(x)`` to ~2^-22 absolute (``lg2.approx``, one MUFU instruction); ``gl.log2`` compiles to a
+        polynomial of ~20 dependent instructions."""
+        return gl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
+                                         pack=1)
+
+    @gluon.jit
+    def _store_item(acc, m_i, l_i, q_pos, half_first, seq, q_head, q_start, first_pos, seqlen_k_seq, qk_scale,
+                    out_desc, stage, out_args, o_layout: gl.constexpr):
+        """The epilogue of a consumer's half of a work item (rows at positions ``q_pos``, from ``half_first``): its
+        normalized output rows and their lse (natural log). A half whose rows are all real leaves through one TMA copy
+        from ``stage``, the half's Q buffer, which no product reads any more: the caller waits for it
+        (``tma.store_wait``) before it releases that buffer. As 32 four-byte stores a thread, each covering half a
+        sector, the output held the consumer's registers and issue slots at every item's boundary (bench/NOTES.md,
+        forty-fourth session). A half with rows outside its sequence (a sequence's last tile; the first where Tq <
+        Tk) uses masked stores, which a TMA copy of the row view cannot mask."""
+        out, lse, stride_ot, out_rows_b, out_rows_h, out_cols_h, stride_lb, stride_lh, stride_lt = out_args
+        ROWS: gl.constexpr = acc.type.shape[0]
         HEAD_DIM: gl.constexpr = acc.type.shape[1]
         rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         seen = l_i > 0
         l_safe = gl.where(seen, l_i, 1.0)
         row_real = (q_pos >= first_pos) & (q_pos < seqlen_k_seq)
-        rows = (q_start + q_pos - first_pos).to(gl.int64)
         lse_head = lse + seq.to(gl.int64) * stride_lb + q_head.to(gl.int64) * stride_lh
-        lse_row = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453, -float("inf"))  # ln
-        gl.store(lse_head + rows * stride_lt, lse_row, mask=row_real)
-        out_head = out + seq.to(gl.int64) * stride_ob + q_head.to(gl.int64) * stride_oh
-        out_tile = acc * gl.convert_layout(1.0 / l_safe, rows_o)[:, None]  # a division a row, not an element
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        gl.store(out_head + gl.convert_layout(rows, rows_o)[:, None] * stride_ot + cols[None, :],
-                 out_tile.to(out.dtype.element_ty), mask=gl.convert_layout(row_real, rows_o)[:, None])
+        lse_row = gl.where(seen, (m_i * qk_scale + _fast_log2(l_safe)) * 0.6931471805599453, -float("inf"))  # ln
+        gl.store(lse_head + (q_start + q_pos - first_pos).to(gl.int64) * stride_lt, lse_row, mask=row_real)
+        out_tile = (acc * gl.convert_layout(_fast_reciprocal(l_safe), rows_o)[:, None]).to(out.dtype.element_ty)
+        # The half's first row and its head's column in the output's row view (launch: out_rows_b, ...).
+        row = seq * out_rows_b + q_head * out_rows_h + q_start + half_first - first_pos
+        col = q_head * out_cols_h
+        if (half_first >= first_pos) & (half_first + ROWS <= seqlen_k_seq):
+            stage.store(out_tile)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(out_desc, [row, col], stage)
+        else:
+            rows = (row + gl.arange(0, ROWS, layout=rows_o)).to(gl.int64)
+            cols = col + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            gl.store(out + rows[:, None] * stride_ot + cols[None, :], out_tile,
+                     mask=gl.convert_layout(row_real, rows_o)[:, None])
 
     @gluon.jit
     def _values(acc, alpha, p, kv_bufs, v_ready, v_slot, v_phase, NUM_K: gl.constexpr):
@@ -457,7 +502,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _compute_partition(consumer: gl.constexpr, q_smem, kv_bufs, q_ready, q_free, k_ready, v_ready, free,
-                           second_start, work_smem, work_args, out_args, qk_scale, TILE: gl.constexpr,
+                           second_start, work_smem, work_args, out_desc, out_args, qk_scale, TILE: gl.constexpr,
                            BLOCK_SIZE: gl.constexpr, UNIT: gl.constexpr, IS_VARLEN: gl.constexpr, NUM_K: gl.constexpr,
                            NUM_V: gl.constexpr):
         """Consumer ``consumer`` (0 or 1): rows ``consumer * ROWS ...`` of each work item's query tile.
@@ -547,9 +592,9 @@ if AVAILABLE:
                 pending = 1 - released.to(gl.int32)
                 step += 1
                 prefetched = has_first.to(gl.int32)
-            mbarrier.arrive(q_free.index(qb), count=1)  # the loader may bring the item after next's Q
-            _store_item(acc, m_i, l_i, q_pos, seq, q_head, q_start, first_pos, seqlen_k_seq, qk_scale, out_args,
-                        o_layout)
+            _store_item(acc, m_i, l_i, q_pos, published_tile_first(work_smem.index(qb)) + consumer * ROWS, seq,
+                        q_head, q_start, first_pos, seqlen_k_seq, qk_scale, out_desc, q_smem.index(qb * 2 + consumer),
+                        out_args, o_layout)
             iteration += 1
             work = next_work
             seq = n_seq
@@ -571,12 +616,17 @@ if AVAILABLE:
                 pending, step, split_base, split_bits, num_full, num_entries, split, q_pos, block_in_tile,
                 seqlen_k_seq, qk_scale, UNIT, NUM_K, NUM_V)
             pending = pending * (num_entries == 0)  # paid by _item_start unless the item has no steps
+            # The output's copy out of this item's Q buffer (issued before _item_start) has been read by now: the
+            # loader may bring the item after next's Q and record into it (the epilogue read this item's record).
+            tma.store_wait(0)
+            mbarrier.arrive(q_free.index(qb), count=1)
         if consumer == 0:
             started = _start_second_consumer(second_start, started, True)  # a program with too few steps to wait
 
     @gluon.jit
     def s2_attention_fwd_ws_kernel(
-        q_desc, k_desc, v_desc,  # row descriptors (triton_impl._row_view): boxes [ROWS, D], [BLOCK_N, D] x 2
+        # row descriptors (layouts.row_view): boxes [ROWS, D], [UNIT, D] x 2, [ROWS, D]
+        q_desc, k_desc, v_desc, out_desc,
         out, lse,  # [B, Hq, Tq, D], [B, Hq, Tq] float32
         unit_lists, unit_bits, unit_counts,  # the forward's lists for 2 * ROWS-row tiles (split_first_step)
         cu_seqlens_q, cu_seqlens_k,  # int32 [S + 1], read only when IS_VARLEN
@@ -584,9 +634,10 @@ if AVAILABLE:
         # int64, as the offsets they scale: an int32 argument's sign extension, hoisted above the partitions, lived in
         # a spilled register (item_fields).
         stride_qb: tl.int64, stride_qh: tl.int64, stride_qt: tl.int64, stride_kb: tl.int64, stride_kh: tl.int64,
-        stride_kt: tl.int64, stride_vb: tl.int64, stride_vh: tl.int64, stride_vt: tl.int64, stride_ob: tl.int64,
-        stride_oh: tl.int64, stride_ot: tl.int64, stride_lb: tl.int64, stride_lh: tl.int64, stride_lt: tl.int64,
-        stride_up: tl.int64, stride_ut: tl.int64, stride_cp: tl.int64, stride_ct: tl.int64,
+        stride_kt: tl.int64, stride_vb: tl.int64, stride_vh: tl.int64, stride_vt: tl.int64, stride_ot: tl.int64,
+        stride_lb: tl.int64, stride_lh: tl.int64, stride_lt: tl.int64, stride_up: tl.int64, stride_ut: tl.int64,
+        stride_cp: tl.int64, stride_ct: tl.int64,
+        out_rows_b, out_rows_h, out_cols_h,  # a head's first row and column in out's row view (output_origin)
         first_pos, seqlen_k, last_tile,  # Tk - Tq and the last query tile (ignored with varlen)
         qk_scale, q_heads_per_pattern, q_heads_per_kv, num_q_tiles, num_q_heads, num_work,
         BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr, NUM_K_BUFFERS: gl.constexpr,
@@ -606,8 +657,8 @@ if AVAILABLE:
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [4] + q_desc.block_type.shape, q_desc.layout)
         kv_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_K_BUFFERS + NUM_V_BUFFERS, BLOCK_N, HEAD_DIM],
                                             k_desc.layout)
-        # Per Q buffer, its item's index and list counts (publish_item).
-        work_smem = gl.allocate_shared_memory(gl.int32, [2, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        # Per Q buffer, its item's index, list counts and first position (publish_item).
+        work_smem = gl.allocate_shared_memory(gl.int32, [2, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         second_start = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -628,15 +679,17 @@ if AVAILABLE:
         work_args = (num_work, num_q_tiles, num_q_heads, cu_seqlens_q, cu_seqlens_k, first_pos, seqlen_k, last_tile,
                      unit_lists, unit_bits, unit_counts, stride_up, stride_ut, stride_cp, stride_ct,
                      q_heads_per_pattern, q_heads_per_kv)
-        out_args = (out, lse, stride_ob, stride_oh, stride_ot, stride_lb, stride_lh, stride_lt)
+        out_args = (out, lse, stride_ot, out_rows_b, out_rows_h, out_cols_h, stride_lb, stride_lh, stride_lt)
         kv_strides = (stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt)
         gl.warp_specialize(
             [
                 (_compute_partition, (0, q_smem, kv_bufs, q_ready, q_free, k_ready, v_ready, free, second_start,
-                                      work_smem, work_args, out_args, qk_scale, TILE, BLOCK_SIZE, UNIT, IS_VARLEN,
+                                      work_smem, work_args, out_desc, out_args, qk_scale, TILE, BLOCK_SIZE, UNIT,
+                                      IS_VARLEN,
                                       NUM_K_BUFFERS, NUM_V_BUFFERS)),
                 (_compute_partition, (1, q_smem, kv_bufs, q_ready, q_free, k_ready, v_ready, free, second_start,
-                                      work_smem, work_args, out_args, qk_scale, TILE, BLOCK_SIZE, UNIT, IS_VARLEN,
+                                      work_smem, work_args, out_desc, out_args, qk_scale, TILE, BLOCK_SIZE, UNIT,
+                                      IS_VARLEN,
                                       NUM_K_BUFFERS, NUM_V_BUFFERS)),
                 (stream_load_partition, (q_desc, q_smem, (stride_qb, stride_qh, stride_qt), k_desc, v_desc, kv_bufs,
                                          q_ready, q_free, k_ready, v_ready, free, work_smem, work_counter, work_args,
@@ -648,7 +701,7 @@ if AVAILABLE:
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, causal: bool, block_size: int) -> bool:
-    """Whether this kernel can run the call, given row views of q, k and v (``triton_impl._row_view``)."""
+    """Whether this kernel can run the call, given row views of q, k and v (``layouts.row_view``)."""
     return (
         AVAILABLE and q.is_cuda and causal and q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k.dtype
         and q.shape[-1] in (64, 128) and block_size >= 32 and is_sm90(q.device)
@@ -664,13 +717,15 @@ def is_sm90(device: torch.device) -> bool:
 
 def launch(q, k, v, out, lse, row_views, lists, problem, qk_scale: float, block_size: int, block_n: int,
            num_pattern_heads: int, num_buffers: int) -> None:
-    """Run the kernel. ``row_views``: ``(shape, strides)`` of q, k and v seen as rows (``triton_impl._row_view``);
+    """Run the kernel. ``row_views``: ``(shape, strides)`` of q, k and v seen as rows (``layouts.row_view``; ``out``,
+    from ``layouts.empty_heads_last``, always has one);
     ``lists``: the forward's lists for ``BLOCK_M``-row query tiles and ``block_n``-key units, through
     ``triton_impl.split_first_step``; ``problem``: ``triton_impl._Problem``; ``num_buffers``: the V ring's slots
     (K's ring has one fewer)."""
     units, bits, counts = lists
     unit = min(block_size, block_n)  # keys per list entry: one TMA box
-    descriptors = row_descriptors((q, k, v), row_views, (CONSUMER_ROWS, unit, unit))
+    out_view = row_view(out)
+    descriptors = row_descriptors((q, k, v, out), (*row_views, out_view), (CONSUMER_ROWS, unit, unit, CONSUMER_ROWS))
     num_q_heads = q.shape[1]
     num_q_tiles = problem.num_q_tiles(BLOCK_M)
     num_work = num_q_tiles * num_q_heads * problem.num_seqs
@@ -679,14 +734,25 @@ def launch(q, k, v, out, lse, row_views, lists, problem, qk_scale: float, block_
     s2_attention_fwd_ws_kernel[grid](
         *descriptors, out, lse, units, bits, counts, problem.cu_seqlens_q, problem.cu_seqlens_k,
         torch.zeros(1, dtype=torch.int32, device=q.device),  # the work counter: a fresh zero for every launch
-        *problem.strides(q)[:3], *problem.strides(k)[:3], *problem.strides(v)[:3], *problem.strides(out)[:3],
-        *problem.strides(lse), *units.stride()[:2], *counts.stride()[:2],
+        *problem.strides(q)[:3], *problem.strides(k)[:3], *problem.strides(v)[:3], out.stride(2),
+        *problem.strides(lse), *units.stride()[:2], *counts.stride()[:2], *output_origin(problem.strides(out)),
         *item_args(q, k), qk_scale, num_q_heads // num_pattern_heads, num_q_heads // k.shape[1],
         num_q_tiles, num_q_heads, num_work,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, IS_VARLEN=problem.is_varlen, NUM_K_BUFFERS=num_buffers - 1,
         NUM_V_BUFFERS=num_buffers, CONSUMER_REGISTERS=consumer_registers, LOADER_REGISTERS=loader_registers,
         num_warps=4, maxnreg=MAXNREG,
     )
+
+
+def output_origin(out_strides: tuple[int, ...]) -> tuple[int, int, int]:
+    """``out_rows_b, out_rows_h, out_cols_h``: batch row (or packed sequence) ``b`` and head ``h`` start at row
+    ``b * out_rows_b + h * out_rows_h`` and column ``h * out_cols_h`` of the output's row view (``layouts.row_view``
+    of ``[B, H, T, D]`` with ``out_strides``, the batch stride zeroed with varlen). Where the view exists, a head's
+    offset splits so: the batch stride is a whole number of rows (or there is one batch row) and the head stride
+    either is too or stays inside one row. Computed here, the consumers' epilogue needs no 64-bit division
+    (``head_origin``'s)."""
+    stride_b, stride_h, row_stride = out_strides[:3]
+    return stride_b // row_stride, stride_h // row_stride, stride_h % row_stride
 
 
 def item_args(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int]:
@@ -698,7 +764,7 @@ def item_args(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int]:
 
 def row_descriptors(tensors, row_views, box_rows) -> list:
     """TMA descriptors of 16-bit ``tensors`` seen as rows (``row_views``: their ``(shape, strides)``,
-    ``triton_impl._row_view``), boxes of ``box_rows`` rows each by the head dim, in wgmma's shared-memory layout."""
+    ``layouts.row_view``), boxes of ``box_rows`` rows each by the head dim, in wgmma's shared-memory layout."""
     gl_dtype = gl.float16 if tensors[0].dtype == torch.float16 else gl.bfloat16
     head_dim = tensors[0].shape[-1]
     descriptors = []

@@ -5,6 +5,8 @@
 * ``CompactLayout`` (with its ``SlotTables``): where each kept block of a sparse layer lives in the compact KV cache,
   used by ``decode.py`` and ``decode_triton.py`` (layout described in ``decode.py``).
 * ``empty_heads_last``: the memory layout of the ops' ``[B, H, T, D]`` outputs and gradients.
+* ``row_view``: a ``[B, H, T, D]`` tensor seen as rows, for the kernels' TMA descriptors (``triton_impl`` computes
+  the inputs' views, ``hopper_fwd`` its output's).
 
 Only torch is imported here.
 """
@@ -177,3 +179,22 @@ def as_heads_last(x: torch.Tensor) -> torch.Tensor:
     if x.stride() == (t * h * d, d, h * d, 1):
         return x
     return empty_heads_last(x).copy_(x)
+
+
+def row_view(t: torch.Tensor) -> tuple[list[int], list[int]] | None:
+    """``(shape, strides)`` of ``t [B, H, T, D]`` seen as ``[rows, t.stride(2)]``, or None where its layout does not
+    allow that: every head's rows must lie inside rows of ``stride(2)`` elements, as in ``[B, H, T, D]`` contiguous or
+    the ``[B, T, H, D]`` projection output seen through a transpose. TMA descriptors over this view give the kernels
+    a head's rows from its offset (``triton_impl._descriptor_origin``, ``hopper_fwd.head_origin``), without copies.
+    A launcher computes each tensor's view once a call (they are on its host path)."""
+    batch, heads, seqlen, head_dim = t.shape
+    stride_b, stride_h, row_stride, stride_d = t.stride()
+    # (A broadcast tensor, e.g. the output gradient of a sum, has row stride 0: no view.)
+    aligned = row_stride > 0 and stride_d == 1 and (row_stride * t.element_size()) % 16 == 0
+    if not (aligned and t.data_ptr() % 16 == 0):
+        return None
+    heads_fit = stride_h % row_stride == 0 or stride_h * (heads - 1) + head_dim <= row_stride
+    if not (heads_fit and (batch == 1 or stride_b % row_stride == 0)):
+        return None
+    extent = (batch - 1) * stride_b + (heads - 1) * stride_h + (seqlen - 1) * row_stride + head_dim
+    return [-(-extent // row_stride), row_stride], [row_stride, 1]

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from . import hopper_bwd, hopper_fwd
-from .layouts import BlockLayout, Varlen, empty_heads_last
+from .layouts import BlockLayout, Varlen, empty_heads_last, row_view
 from .sequence_bounds import sequence_bounds
 from .triton_setup import TensorDescriptor, tl, triton
 
@@ -885,28 +885,9 @@ def _use_tma(layout: BlockLayout, gathered_tile: int, head_dim: int, device: tor
             and head_dim == _next_power_of_2(head_dim) and _has_tma(device))
 
 
-def _row_view(t: torch.Tensor) -> tuple[list[int], list[int]] | None:
-    """``(shape, strides)`` of ``t [B, H, T, D]`` seen as ``[rows, t.stride(2)]``, or None where its layout does not
-    allow that: every head's rows must lie inside rows of ``stride(2)`` elements, as in ``[B, H, T, D]`` contiguous or
-    the ``[B, T, H, D]`` projection output seen through a transpose. TMA descriptors over this view give the kernels
-    a head's rows from its offset (``_descriptor_origin``), without copies. A launcher computes each tensor's view
-    once a call (they are on its host path)."""
-    batch, heads, seqlen, head_dim = t.shape
-    stride_b, stride_h, row_stride, stride_d = t.stride()
-    # (A broadcast tensor, e.g. the output gradient of a sum, has row stride 0: no view.)
-    aligned = row_stride > 0 and stride_d == 1 and (row_stride * t.element_size()) % 16 == 0
-    if not (aligned and t.data_ptr() % 16 == 0):
-        return None
-    heads_fit = stride_h % row_stride == 0 or stride_h * (heads - 1) + head_dim <= row_stride
-    if not (heads_fit and (batch == 1 or stride_b % row_stride == 0)):
-        return None
-    extent = (batch - 1) * stride_b + (heads - 1) * stride_h + (seqlen - 1) * row_stride + head_dim
-    return [-(-extent // row_stride), row_stride], [row_stride, 1]
-
-
 def _row_descriptors(use_tma: bool, block_rows: int, tensors: tuple, row_views: tuple) -> tuple:
-    """TMA descriptors of ``tensors`` over their ``row_views`` (``_row_view``'s), boxes of ``[block_rows, D]``, when
-    ``use_tma`` and every tensor has a view; else Nones."""
+    """TMA descriptors of ``tensors`` over their ``row_views`` (``layouts.row_view``'s), boxes of ``[block_rows, D]``,
+    when ``use_tma`` and every tensor has a view; else Nones."""
     if not use_tma or None in row_views:
         return (None,) * len(tensors)
     return tuple(TensorDescriptor(t, *view, [block_rows, t.shape[-1]]) for t, view in zip(tensors, row_views))
@@ -940,7 +921,7 @@ def s2_attention_fwd(
     if q.numel() == 0:
         return out, lse.fill_(-math.inf)
     problem = _problem(q, k, layout, varlen)
-    row_views = tuple(_row_view(t) for t in (q, k, v))
+    row_views = tuple(row_view(t) for t in (q, k, v))
     warp_specialized_ok = hopper_fwd.supported(q, k, layout.causal, layout.block_size) and None not in row_views
 
     def usable(config: TileConfig) -> bool:
@@ -995,7 +976,7 @@ def s2_attention_bwd(
     tail_args = (seqlen_q, k.shape[2], *stats_strides, scale, scale * LOG2E,
                  num_q_heads // layout.num_pattern_heads, num_q_heads // num_kv_heads)
 
-    q_view, dout_view, out_view, k_view, v_view = (_row_view(t) for t in (q, dout, out, k, v))
+    q_view, dout_view, out_view, k_view, v_view = (row_view(t) for t in (q, dout, out, k, v))
     dq_row_views = (q_view, dout_view, out_view, k_view, v_view)
     gluon_dq_ok = hopper_bwd.supported_dq(q, k, layout.causal, layout.block_size) and None not in dq_row_views
 

@@ -490,6 +490,31 @@ def test_warp_specialized_item_args_match_the_query_tiles(q_len, k_len):
     assert last_tile - (num_q_tiles - 1) == first_pos // hopper_fwd.BLOCK_M  # rank num_q_tiles - 1: row 0's tile
 
 
+@pytest.mark.parametrize("layout_name", ["heads-last", "heads-first", "varlen", "one-row-padded-heads"])
+def test_warp_specialized_output_origin_finds_every_row(layout_name):
+    """The Gluon forward's epilogue copies a head's rows through the output's row view from ``hopper_fwd.output_origin``
+    (no division in the kernel): for every batch row (packed: the batch stride zeroed, as the launch passes it), head
+    and position, row ``b * rows_b + h * rows_h + t`` and column ``h * cols_h`` must be that element's offset."""
+    from s2_models.kernels import hopper_fwd
+    from s2_models.kernels.layouts import empty_heads_last, row_view
+
+    batch, heads, seqlen, head_dim = 3, 4, 5, 16
+    base = torch.empty(batch, heads, seqlen, head_dim)
+    out = {
+        "heads-last": empty_heads_last(base),  # what the forward allocates
+        "heads-first": base,
+        "varlen": empty_heads_last(base[:1]),
+        "one-row-padded-heads": torch.empty(1, seqlen, heads, 2 * head_dim)[..., :head_dim].transpose(1, 2),
+    }[layout_name]
+    (_, row_stride), _ = row_view(out)
+    strides = (0, *out.stride()[1:]) if layout_name == "varlen" else out.stride()
+    rows_b, rows_h, cols_h = hopper_fwd.output_origin(strides)
+    for b in range(out.shape[0]):
+        for h in range(heads):
+            for t in range(seqlen):
+                offset = b * strides[0] + h * strides[1] + t * strides[2]
+                assert (b * rows_b + h * rows_h + t) * row_stride + h * cols_h == offset, (b, h, t)
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("programs", [None, 3], ids=["one-per-sm", "3-programs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
