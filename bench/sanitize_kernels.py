@@ -10,8 +10,13 @@ tuner's timing launches the whole script under memcheck ran past 170-300 s; with
 (2026-11-26, 0 errors)::
 
     compute-sanitizer --tool memcheck python bench/sanitize_kernels.py
+
+Under memcheck the whole script now runs 210-250 s on an H100 (its kernels compiled there first). After a change to
+the Gluon forward alone, ``--hopper-forward-only`` runs just that kernel, forced, on odd lengths, GQA, a dense head,
+Tq < Tk, varlen with an empty sequence, blocks of 32, 64 and 128 (72 s under memcheck, 2026-11-28).
 """
 
+import argparse
 import os
 
 os.environ.setdefault("S2_ATTENTION_AUTOTUNE", "0")
@@ -24,68 +29,78 @@ from s2_models.kernels.fused import add_rms_norm, linear_group, linear_swiglu, r
 
 torch.manual_seed(0)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: TRITON_INTERPRET=1, to check the script itself
-for dtype in (torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.float16,):
-    for pattern, (tq, tk), d in [
-        (S2Pattern(16, 2, 4), (77, 77), 64),
-        (S2Pattern(64, 2, 3, num_dense_heads=1), (1, 300), 128),
-        (S2Pattern(32, 1, 2, per_query_head=True), (130, 200), 80),
-    ]:
-        q = torch.randn(2, 8, tq, d, device=DEVICE, dtype=dtype, requires_grad=True)
-        k = torch.randn(2, 2, tk, d, device=DEVICE, dtype=dtype, requires_grad=True)
-        v = torch.randn(2, 2, tk, d, device=DEVICE, dtype=dtype, requires_grad=True)
-        out, lse = s2_attention(q, k, v, pattern, return_lse=True)
-        (out.float().sum() + lse.sum()).backward()
-        cu = torch.tensor([0, 0, 33, tk], device=DEVICE, dtype=torch.int32)
-        s2_attention(k.detach()[:1].repeat(1, 4, 1, 1), k.detach()[:1], v.detach()[:1], pattern, cu_seqlens_q=cu,
-                     cu_seqlens_k=cu, max_seqlen_q=tk, max_seqlen_k=tk)
-        layout = CompactLayout(pattern, 8, 2, pattern.local_blocks)
-        n = tk
-        slots = layout.num_ring_slots(n) + layout.num_vertical_slots(n)
-        cache = torch.randn(2, 2, slots * pattern.block_size, d, device=DEVICE, dtype=dtype)
-        seq_lens = torch.tensor([n, n - 5], device=DEVICE)
-        s2_decode_attention(q.detach()[:, :, :1], cache, cache, seq_lens, layout,
-                            num_ring_slots=layout.num_ring_slots(n))
-        ahead = torch.randn(2, 2, (slots + 7) * pattern.block_size, d, device=DEVICE, dtype=dtype)  # static cache
-        s2_decode_attention(q.detach()[:, :, :1], ahead, ahead, seq_lens, layout, num_ring_slots=layout.ring_blocks,
-                            num_splits=3)  # the last split merges the others
-        s2_decode_attention(q.detach()[:, :, :1], ahead, ahead, seq_lens, layout, num_ring_slots=layout.ring_blocks,
-                            num_splits=3, split_counters=torch.zeros(4, dtype=torch.int32, device=DEVICE))
-        for chunk in (5, 9):  # 20 query rows: two 16-row tiles; 36: one 64-row tile (one-token steps: 8-row tile)
-            chunk_layout = CompactLayout(pattern, 8, 2, ring_blocks_for(pattern, chunk))
-            chunk_slots = chunk_layout.num_ring_slots(n) + chunk_layout.num_vertical_slots(n)
-            chunk_cache = torch.randn(2, 2, chunk_slots * pattern.block_size, d, device=DEVICE, dtype=dtype)
-            s2_decode_attention(torch.randn(2, 8, chunk, d, device=DEVICE, dtype=dtype), chunk_cache, chunk_cache,
-                                seq_lens, chunk_layout, num_ring_slots=chunk_layout.num_ring_slots(n), num_splits=2)
-        new = k.detach()[:, :, :3]
-        s2_cache_append(cache, cache.clone(), new, new, seq_lens, layout, num_ring_slots=layout.num_ring_slots(n))
-    # The fused RMSNorm (more rows than the backward's programs, odd width, row stride != width), SwiGLU (masked
-    # tail) and rotary (GQA, half a head not a power of two, cos shared by the batch), forward and backward.
-    x = torch.randn(1031, 107, device=DEVICE, dtype=dtype)[:, :100].requires_grad_()
-    weight = torch.randn(100, device=DEVICE, requires_grad=True)
-    rms_norm(x, weight, 1e-6).float().sum().backward()
-    residual = torch.randn(1031, 100, device=DEVICE, requires_grad=True)  # float32 residual: a promoted sum
-    sum(t.float().sum() for t in add_rms_norm(x, residual, weight, 1e-6)).backward()
-    gate, up = (torch.randn(3, 1031, device=DEVICE, dtype=dtype, requires_grad=True) for _ in "gu")
-    swiglu(gate, up).float().sum().backward()
-    q = torch.randn(3, 13, 6, 24, device=DEVICE, dtype=dtype).transpose(1, 2).requires_grad_()
-    k = torch.randn(3, 13, 2, 24, device=DEVICE, dtype=dtype).transpose(1, 2).requires_grad_()
-    angles = torch.randn(1, 13, 24, device=DEVICE)
-    sum(t.float().sum() for t in rotary_embedding(q, k, angles.cos(), angles.sin())).backward()
-    with torch.no_grad():  # decode-sized projections: odd token count, K not a multiple of the steps, odd widths
-        x = torch.randn(5, 300, device=DEVICE, dtype=dtype)
-        linear_group(x, [torch.randn(n, 300, device=DEVICE, dtype=dtype) for n in (50, 33, 70)])
-        linear_group(torch.randn(3, 4100, device=DEVICE, dtype=dtype), [torch.randn(40, 4100, device=DEVICE,
-                                                                                     dtype=dtype)])
-        linear_swiglu(x, *(torch.randn(70, 300, device=DEVICE, dtype=dtype) for _ in "gu"))
-if DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0):
+# (pattern, T, head dim) of the Hopper kernels' own cases
+HOPPER_CASES = [
+    (S2Pattern(64, 2, 3), 77, 64),
+    (S2Pattern(64, 2, 3, num_dense_heads=1), 300, 128),
+    (S2Pattern(32, 1, 2, per_query_head=True), 200, 128),
+]
+
+
+def portable_kernels() -> None:
+    """Every Triton kernel's first candidate: attention (forward, backward, varlen), decode, cache append, the fused
+    norm / SwiGLU / rotary / projection kernels."""
+    for dtype in (torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.float16,):
+        for pattern, (tq, tk), d in [
+            (S2Pattern(16, 2, 4), (77, 77), 64),
+            (S2Pattern(64, 2, 3, num_dense_heads=1), (1, 300), 128),
+            (S2Pattern(32, 1, 2, per_query_head=True), (130, 200), 80),
+        ]:
+            q = torch.randn(2, 8, tq, d, device=DEVICE, dtype=dtype, requires_grad=True)
+            k = torch.randn(2, 2, tk, d, device=DEVICE, dtype=dtype, requires_grad=True)
+            v = torch.randn(2, 2, tk, d, device=DEVICE, dtype=dtype, requires_grad=True)
+            out, lse = s2_attention(q, k, v, pattern, return_lse=True)
+            (out.float().sum() + lse.sum()).backward()
+            cu = torch.tensor([0, 0, 33, tk], device=DEVICE, dtype=torch.int32)
+            s2_attention(k.detach()[:1].repeat(1, 4, 1, 1), k.detach()[:1], v.detach()[:1], pattern, cu_seqlens_q=cu,
+                         cu_seqlens_k=cu, max_seqlen_q=tk, max_seqlen_k=tk)
+            layout = CompactLayout(pattern, 8, 2, pattern.local_blocks)
+            n = tk
+            slots = layout.num_ring_slots(n) + layout.num_vertical_slots(n)
+            cache = torch.randn(2, 2, slots * pattern.block_size, d, device=DEVICE, dtype=dtype)
+            seq_lens = torch.tensor([n, n - 5], device=DEVICE)
+            s2_decode_attention(q.detach()[:, :, :1], cache, cache, seq_lens, layout,
+                                num_ring_slots=layout.num_ring_slots(n))
+            ahead = torch.randn(2, 2, (slots + 7) * pattern.block_size, d, device=DEVICE, dtype=dtype)  # static cache
+            s2_decode_attention(q.detach()[:, :, :1], ahead, ahead, seq_lens, layout, num_ring_slots=layout.ring_blocks,
+                                num_splits=3)  # the last split merges the others
+            s2_decode_attention(q.detach()[:, :, :1], ahead, ahead, seq_lens, layout, num_ring_slots=layout.ring_blocks,
+                                num_splits=3, split_counters=torch.zeros(4, dtype=torch.int32, device=DEVICE))
+            for chunk in (5, 9):  # 20 query rows: two 16-row tiles; 36: one 64-row tile (one-token steps: 8-row tile)
+                chunk_layout = CompactLayout(pattern, 8, 2, ring_blocks_for(pattern, chunk))
+                chunk_slots = chunk_layout.num_ring_slots(n) + chunk_layout.num_vertical_slots(n)
+                chunk_cache = torch.randn(2, 2, chunk_slots * pattern.block_size, d, device=DEVICE, dtype=dtype)
+                s2_decode_attention(torch.randn(2, 8, chunk, d, device=DEVICE, dtype=dtype), chunk_cache, chunk_cache,
+                                    seq_lens, chunk_layout, num_ring_slots=chunk_layout.num_ring_slots(n), num_splits=2)
+            new = k.detach()[:, :, :3]
+            s2_cache_append(cache, cache.clone(), new, new, seq_lens, layout, num_ring_slots=layout.num_ring_slots(n))
+        # The fused RMSNorm (more rows than the backward's programs, odd width, row stride != width), SwiGLU (masked
+        # tail) and rotary (GQA, half a head not a power of two, cos shared by the batch), forward and backward.
+        x = torch.randn(1031, 107, device=DEVICE, dtype=dtype)[:, :100].requires_grad_()
+        weight = torch.randn(100, device=DEVICE, requires_grad=True)
+        rms_norm(x, weight, 1e-6).float().sum().backward()
+        residual = torch.randn(1031, 100, device=DEVICE, requires_grad=True)  # float32 residual: a promoted sum
+        sum(t.float().sum() for t in add_rms_norm(x, residual, weight, 1e-6)).backward()
+        gate, up = (torch.randn(3, 1031, device=DEVICE, dtype=dtype, requires_grad=True) for _ in "gu")
+        swiglu(gate, up).float().sum().backward()
+        q = torch.randn(3, 13, 6, 24, device=DEVICE, dtype=dtype).transpose(1, 2).requires_grad_()
+        k = torch.randn(3, 13, 2, 24, device=DEVICE, dtype=dtype).transpose(1, 2).requires_grad_()
+        angles = torch.randn(1, 13, 24, device=DEVICE)
+        sum(t.float().sum() for t in rotary_embedding(q, k, angles.cos(), angles.sin())).backward()
+        with torch.no_grad():  # decode-sized projections: odd token count, K not a multiple of the steps, odd widths
+            x = torch.randn(5, 300, device=DEVICE, dtype=dtype)
+            linear_group(x, [torch.randn(n, 300, device=DEVICE, dtype=dtype) for n in (50, 33, 70)])
+            linear_group(torch.randn(3, 4100, device=DEVICE, dtype=dtype), [torch.randn(40, 4100, device=DEVICE,
+                                                                                         dtype=dtype)])
+            linear_swiglu(x, *(torch.randn(70, 300, device=DEVICE, dtype=dtype) for _ in "gu"))
+
+
+def hopper_kernels() -> None:
+    """The Gluon forward, the Gluon dq, and each dk/dv of the split GQA groups and the Gluon dk/dv, forced."""
     for size in ("small", "medium"):
         triton_impl._CANDIDATES[("fwd", size)] = triton_impl._WARP_SPECIALIZED_FWD[size]
         triton_impl._CANDIDATES[("dq", size)] = triton_impl._GLUON_DQ
-    for pattern, t, d in [
-        (S2Pattern(64, 2, 3), 77, 64),
-        (S2Pattern(64, 2, 3, num_dense_heads=1), 300, 128),
-        (S2Pattern(32, 1, 2, per_query_head=True), 200, 128),
-    ]:
+    for pattern, t, d in HOPPER_CASES:
         size = "small" if d <= 64 else "medium"
         # split GQA groups (of 4 here), and the Gluon dk/dv where it runs (blocks >= 64)
         gluon_dkdv = triton_impl._GLUON_DKDV if pattern.block_size >= 64 else []
@@ -99,6 +114,42 @@ if DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0):
             packed = [x.detach()[:1].requires_grad_() for x in (q, k, v)]
             s2_attention(*packed, pattern, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=t,
                          max_seqlen_k=t).float().sum().backward()
-if DEVICE == "cuda":
-    torch.cuda.synchronize()
-print("sanitize run complete")
+
+
+def hopper_forward() -> None:
+    """The Gluon forward alone, forced: the Hopper cases and a block-128 one, each also with Tq < Tk (its first tile
+    partly before the first query: masked stores) and packed (an empty sequence, a tile across a boundary)."""
+    for size in ("small", "medium"):
+        triton_impl._CANDIDATES[("fwd", size)] = triton_impl._WARP_SPECIALIZED_FWD[size]
+    with torch.no_grad():
+        for pattern, t, d in HOPPER_CASES + [(S2Pattern(128, 2, 2), 333, 128)]:
+            q = torch.randn(2, 8, t, d, device=DEVICE, dtype=torch.bfloat16)
+            k, v = (torch.randn(2, 2, t, d, device=DEVICE, dtype=torch.bfloat16) for _ in "kv")
+            s2_attention(q, k, v, pattern)
+            s2_attention(q[:, :, t // 3:], k, v, pattern)
+            cu = torch.tensor([0, 0, 33, t], device=DEVICE, dtype=torch.int32)
+            s2_attention(q[:1], k[:1], v[:1], pattern, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=t,
+                         max_seqlen_k=t)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hopper-forward-only", action="store_true",
+                        help="only the Gluon forward (compute capability 9.0)")
+    args = parser.parse_args()
+    on_hopper = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+    if args.hopper_forward_only:
+        if not on_hopper:
+            raise SystemExit("--hopper-forward-only needs a GPU of compute capability 9.0")
+        hopper_forward()
+    else:
+        portable_kernels()
+        if on_hopper:
+            hopper_kernels()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    print("sanitize run complete")
+
+
+if __name__ == "__main__":
+    main()

@@ -164,13 +164,22 @@ if AVAILABLE:
         return gl.max(work_smem.load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
 
     @gluon.jit
-    def publish_item(record, work, num_full, num_entries, split, tile_first):
-        """Store work item ``work``, its list counts and its tile's first position in ``record`` (``[8]`` int32 of
-        shared memory) for the consumers, which then do not load the counts (an L2 round trip, on their path from one
-        item to the next); the epilogue reads the position (``published_tile_first``)."""
-        fields = gl.arange(0, 8, layout=gl.BlockedLayout([8], [32], [1], [0]))
-        record.store(gl.where(fields == 0, work, gl.where(fields == 1, num_full, gl.where(
-            fields == 2, num_entries, gl.where(fields == 3, split, tile_first)))))
+    def publish_item(record, work, num_full, num_entries, split, tile_first, seq, q_head, q_start, first_pos):
+        """Store work item ``work`` and its list counts (fields 0-3), and where its output goes (fields 8-12), in
+        ``record`` (``[16]`` int32 of shared memory) for the consumers, which then do not load the counts (an L2 round
+        trip, on their path from one item to the next; ``published_item``), and whose epilogue reads the output's
+        fields there (``published_output``) rather than keep them through the item's steps."""
+        fields = gl.arange(0, 16, layout=gl.BlockedLayout([16], [32], [1], [0]))
+        values = gl.where(fields == 0, work, 0)
+        values = gl.where(fields == 1, num_full, values)
+        values = gl.where(fields == 2, num_entries, values)
+        values = gl.where(fields == 3, split, values)
+        values = gl.where(fields == 8, tile_first, values)
+        values = gl.where(fields == 9, seq, values)
+        values = gl.where(fields == 10, q_head, values)
+        values = gl.where(fields == 11, q_start, values)
+        values = gl.where(fields == 12, first_pos, values)
+        record.store(values)
 
     @gluon.jit
     def published_item(record):
@@ -183,10 +192,17 @@ if AVAILABLE:
                 gl.sum(gl.where(fields == 2, values, 0), axis=0), gl.sum(gl.where(fields == 3, values, 0), axis=0))
 
     @gluon.jit
-    def published_tile_first(record):
-        """The tile's first position that ``publish_item`` stored (read by a 4-warp consumer): re-read by the epilogue
-        rather than kept through the item's steps, where registers are short (offline, ptxas spilled 8 bytes more)."""
-        return gl.max(record.slice(4, 1).load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
+    def published_output(record):
+        """The output's fields that ``publish_item`` stored (read by a 4-warp consumer's epilogue): ``(tile_first,
+        seq, q_head, q_start, first_pos)``. Kept in registers from the item's decode to its epilogue, they lived
+        through the step loop in spilled registers, reloaded at every item (offline, block 64: 36 / 44 bytes of
+        spills against 16 / 24; bench/NOTES.md, forty-fifth session)."""
+        layout: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
+        values = record.slice(8, 8).load(layout)
+        fields = gl.arange(8, 16, layout=layout)
+        return (gl.sum(gl.where(fields == 8, values, 0), axis=0), gl.sum(gl.where(fields == 9, values, 0), axis=0),
+                gl.sum(gl.where(fields == 10, values, 0), axis=0), gl.sum(gl.where(fields == 11, values, 0), axis=0),
+                gl.sum(gl.where(fields == 12, values, 0), axis=0))
 
     @gluon.jit
     def consumer_rows(tile_first, consumer: gl.constexpr, ROWS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
@@ -323,7 +339,8 @@ if AVAILABLE:
             first_row = q_start + tile_first - first_pos
             qb = iteration % 2
             mbarrier.wait(q_free.index(qb), ((iteration // 2) & 1) ^ 1)
-            publish_item(work_smem.index(qb), work, num_full, num_entries, split, tile_first)
+            publish_item(work_smem.index(qb), work, num_full, num_entries, split, tile_first, seq, q_head, q_start,
+                         first_pos)
             mbarrier.expect(q_ready.index(qb), 2 * q_desc.block_type.nbytes)
             row, col = head_origin(seq, q_head, q_strides[0], q_strides[1], q_strides[2])
             for half in gl.static_range(2):
@@ -356,7 +373,7 @@ if AVAILABLE:
             split = n_split
         qb = iteration % 2
         mbarrier.wait(q_free.index(qb), ((iteration // 2) & 1) ^ 1)
-        publish_item(work_smem.index(qb), num_work, 0, 0, 0, 0)  # the stop: an item without entries
+        publish_item(work_smem.index(qb), num_work, 0, 0, 0, 0, 0, 0, 0, 0)  # the stop: an item without entries
         mbarrier.arrive(q_ready.index(qb), count=1)
 
     @gluon.jit
@@ -374,19 +391,25 @@ if AVAILABLE:
                                          pack=1)
 
     @gluon.jit
-    def _store_item(acc, m_i, l_i, q_pos, half_first, seq, q_head, q_start, first_pos, seqlen_k_seq, qk_scale,
-                    out_desc, stage, out_args, o_layout: gl.constexpr):
-        """The epilogue of a consumer's half of a work item (rows at positions ``q_pos``, from ``half_first``): its
-        normalized output rows and their lse (natural log). A half whose rows are all real leaves through one TMA copy
-        from ``stage``, the half's Q buffer, which no product reads any more: the caller waits for it
-        (``tma.store_wait``) before it releases that buffer. As 32 four-byte stores a thread, each covering half a
-        sector, the output held the consumer's registers and issue slots at every item's boundary (bench/NOTES.md,
-        forty-fourth session). A half with rows outside its sequence (a sequence's last tile; the first where Tq <
-        Tk) uses masked stores, which a TMA copy of the row view cannot mask."""
+    def _store_item(acc, m_i, l_i, q_pos, consumer: gl.constexpr, record, seqlen_k_seq, qk_scale,
+                    out_desc, stage, out_args, work_args, IS_VARLEN: gl.constexpr, o_layout: gl.constexpr):
+        """The epilogue of consumer ``consumer``'s half of a work item (rows at positions ``q_pos``; the item's output
+        fields from its ``record``, ``published_output``): its normalized output rows and their lse (natural log). A
+        half whose rows are all real leaves through one TMA copy from ``stage``, the half's Q buffer, which no product
+        reads any more: the caller waits for it (``tma.store_wait``) before it releases that buffer. As 32 four-byte
+        stores a thread, each covering half a sector, the output held the consumer's registers and issue slots at
+        every item's boundary (bench/NOTES.md, forty-fourth session). A half with rows outside its sequence (a
+        sequence's last tile; the first where Tq < Tk) uses masked stores, which a TMA copy of the row view cannot
+        mask."""
         out, lse, stride_ot, out_rows_b, out_rows_h, out_cols_h, stride_lb, stride_lh, stride_lt = out_args
         ROWS: gl.constexpr = acc.type.shape[0]
         HEAD_DIM: gl.constexpr = acc.type.shape[1]
         rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        tile_first, seq, q_head, q_start, first_pos = published_output(record)
+        if not IS_VARLEN:  # the launch's, as item_fields takes them: one sequence start, one alignment
+            q_start = 0
+            first_pos = work_args[5]
+        half_first = tile_first + consumer * ROWS
         seen = l_i > 0
         l_safe = gl.where(seen, l_i, 1.0)
         row_real = (q_pos >= first_pos) & (q_pos < seqlen_k_seq)
@@ -528,8 +551,8 @@ if AVAILABLE:
             mbarrier.wait(second_start, 0)
         mbarrier.wait(q_ready.index(0), 0)
         work, num_full, num_entries, split = published_item(work_smem.index(0))
-        (seq, q_head, q_start, _, seqlen_k_seq, first_pos, tile_first, split_base, split_bits, _,
-         _) = item_fields(gl.where(work < num_work, work, 0), work_args, TILE, IS_VARLEN)
+        (_, _, _, _, seqlen_k_seq, _, tile_first, split_base, split_bits, _, _) = item_fields(
+            gl.where(work < num_work, work, 0), work_args, TILE, IS_VARLEN)
         q_pos, block_in_tile = consumer_rows(tile_first, consumer, ROWS, BLOCK_SIZE, rows_s)
         p, alpha, m_i, l_i, acc, step = _item_start(
             consumer, q_smem.index(consumer), kv_bufs, k_ready, v_ready, free,
@@ -565,8 +588,8 @@ if AVAILABLE:
                 started = _start_second_consumer(second_start, started, iteration + 1 >= 2)
             mbarrier.wait(q_ready.index(next_qb), ((iteration + 1) // 2) & 1)
             next_work, n_num_full, n_num_entries, n_split = published_item(work_smem.index(next_qb))
-            (n_seq, n_q_head, n_q_start, _, n_seqlen_k_seq, n_first_pos, n_tile_first, n_split_base, n_split_bits, _,
-             _) = item_fields(gl.where(next_work < num_work, next_work, 0), work_args, TILE, IS_VARLEN)
+            (_, _, _, _, n_seqlen_k_seq, _, n_tile_first, n_split_base, n_split_bits, _, _) = item_fields(
+                gl.where(next_work < num_work, next_work, 0), work_args, TILE, IS_VARLEN)
             n_num_entries = n_num_entries * (next_work < num_work)
             has_first = n_num_entries > 0
             s_first = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
@@ -592,16 +615,11 @@ if AVAILABLE:
                 pending = 1 - released.to(gl.int32)
                 step += 1
                 prefetched = has_first.to(gl.int32)
-            _store_item(acc, m_i, l_i, q_pos, published_tile_first(work_smem.index(qb)) + consumer * ROWS, seq,
-                        q_head, q_start, first_pos, seqlen_k_seq, qk_scale, out_desc, q_smem.index(qb * 2 + consumer),
-                        out_args, o_layout)
+            _store_item(acc, m_i, l_i, q_pos, consumer, work_smem.index(qb), seqlen_k_seq, qk_scale, out_desc,
+                        q_smem.index(qb * 2 + consumer), out_args, work_args, IS_VARLEN, o_layout)
             iteration += 1
             work = next_work
-            seq = n_seq
-            q_head = n_q_head
-            q_start = n_q_start
             seqlen_k_seq = n_seqlen_k_seq
-            first_pos = n_first_pos
             tile_first = n_tile_first
             split_base = n_split_base
             split_bits = n_split_bits
@@ -657,8 +675,8 @@ if AVAILABLE:
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [4] + q_desc.block_type.shape, q_desc.layout)
         kv_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_K_BUFFERS + NUM_V_BUFFERS, BLOCK_N, HEAD_DIM],
                                             k_desc.layout)
-        # Per Q buffer, its item's index, list counts and first position (publish_item).
-        work_smem = gl.allocate_shared_memory(gl.int32, [2, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        # Per Q buffer, its item's index, list counts and output fields (publish_item).
+        work_smem = gl.allocate_shared_memory(gl.int32, [2, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         second_start = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
