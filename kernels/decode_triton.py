@@ -51,7 +51,7 @@ import torch
 from .dependent_launch import launch_options, wait_for_preceding_kernel
 from .layouts import CompactLayout
 from .triton_impl import row_mask
-from .triton_setup import tl, triton
+from .triton_setup import next_power_of_2, tl, triton
 
 LOG2E = math.log2(math.e)
 
@@ -391,7 +391,7 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
     pattern = layout.pattern
     tables = layout.tables(q.device)
     tiles = tiles or DecodeTiles()
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, next_power_of_2(d))
     block_n = max(bs, tiles.block_n)
     rows = tq * layout.q_heads_per_kv
     if rows <= KEYS_ON_M_ROWS:
@@ -434,7 +434,7 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
         layout.q_heads_per_kv, layout.q_heads_per_pattern, num_heads, pattern.num_dense_heads,
         pattern.head_step(num_heads), pattern.head_sliding_offset,
         pattern.local_blocks, layout.ring_blocks, pattern.vert_stride, block_m == KEYS_ON_M_ROWS, key_groups,
-        triton.next_power_of_2(pattern.vert_stride),
+        next_power_of_2(pattern.vert_stride),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(q.device),
@@ -490,7 +490,7 @@ def cache_append_triton(k_cache, v_cache, key, value, seq_lens, layout: CompactL
     """Backend of ``decode.s2_cache_append``: one launch for every row, KV head and new token."""
     b, hkv, tq, d = key.shape
     tables = layout.tables(key.device)
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, next_power_of_2(d))
     s2_cache_append_kernel[(triton.cdiv(tq, TOKENS_PER_PROGRAM), b * hkv)](
         key, value, k_cache, v_cache, seq_lens, tables.rank, tables.counts,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(), tables.rank.stride(0),

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from .dependent_launch import launch_options, wait_for_preceding_kernel
-from .triton_setup import tl, triton
+from .triton_setup import next_power_of_2, tl, triton
 
 
 def _row_warps(block: int) -> int:
@@ -105,7 +105,7 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
     normed_dtype = x.dtype if summed is None else summed.dtype
     y = torch.empty((m, n), device=x.device, dtype=torch.promote_types(normed_dtype, weight.dtype))
     rstd = torch.empty(m, device=x.device, dtype=torch.float32)
-    block = triton.next_power_of_2(n)
+    block = next_power_of_2(n)
     if m:
         r, s = (x, x) if summed is None else (residual, summed)  # stand-ins, unread without a residual
         _rms_norm_fwd_kernel[(m,)](x, r, weight, y, s, rstd, n, x.stride(0), r.stride(0), y.stride(0), s.stride(0),
@@ -121,7 +121,7 @@ def rms_norm_bwd(dy, x, weight, rstd, dsum=None) -> tuple[torch.Tensor, torch.Te
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     programs = max(1, min(m, _parallel_programs(x.device)))
     dw_partial = torch.empty((programs, n), device=x.device, dtype=torch.float32)
-    block = triton.next_power_of_2(n)
+    block = next_power_of_2(n)
     if m:
         ds = dy if dsum is None else dsum  # a stand-in, unread without dsum
         _rms_norm_bwd_kernel[(programs,)](dy, x, weight, rstd, ds, dx, dw_partial, m, n, dy.stride(0), x.stride(0),
@@ -238,8 +238,8 @@ def rotary_apply(q, k, cos, sin, q_out, k_out, backward: bool) -> None:
     b, hq, t, d = q.shape
     hk = k.shape[1]
     half = d // 2
-    block_half = triton.next_power_of_2(half)
-    block_h = min(triton.next_power_of_2(max(hq, hk)), max(1, 4096 // block_half))
+    block_half = next_power_of_2(half)
+    block_h = min(next_power_of_2(max(hq, hk)), max(1, 4096 // block_half))
     cos_batch_stride = 0 if cos.shape[0] == 1 else cos.stride(0)  # position ids shared by the batch
     if b * t:
         _rotary_kernel[(b * t, 2)](

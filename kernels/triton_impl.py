@@ -41,7 +41,7 @@ import torch
 from . import hopper_bwd, hopper_fwd
 from .layouts import BlockLayout, Varlen, empty_heads_last, row_view
 from .sequence_bounds import sequence_bounds
-from .triton_setup import TensorDescriptor, tl, triton
+from .triton_setup import TensorDescriptor, next_power_of_2, tl, triton
 
 LOG2E = math.log2(math.e)
 
@@ -851,7 +851,7 @@ def _problem(q: torch.Tensor, k: torch.Tensor, layout: BlockLayout, varlen: Varl
         cu_q = cu_k = _unused_offsets(q.device)
     # Lengths are bucketed to powers of two so that varying batches reuse one tuned config.
     tune_key = (
-        batch, num_q_heads, k.shape[1], layout.num_pattern_heads, _next_power_of_2(max_q), _next_power_of_2(max_k),
+        batch, num_q_heads, k.shape[1], layout.num_pattern_heads, next_power_of_2(max_q), next_power_of_2(max_k),
         head_dim, q.dtype, layout.block_size, layout.causal,
         varlen is not None, str(q.device),
     )
@@ -865,12 +865,6 @@ def _unused_offsets(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def _next_power_of_2(n: int) -> int:
-    """The smallest power of two >= ``n`` (1 for ``n <= 1``); plain Python, where ``triton.next_power_of_2`` (a
-    ``constexpr_function`` in newer Triton) costs a few microseconds a call on the launch path."""
-    return 1 << max(0, n - 1).bit_length()
-
-
 @functools.cache
 def _has_tma(device: torch.device) -> bool:
     """Hopper and later GPUs have the tensor memory accelerator; the interpreter emulates it."""
@@ -882,7 +876,7 @@ def _use_tma(layout: BlockLayout, gathered_tile: int, head_dim: int, device: tor
     contiguous unit of rows (``block_size >= gathered_tile``), causal (so every row of an unmasked step is real, and
     a box never needs a mask), ``D`` a power of two (a box is exactly one head's row) and the GPU has TMA."""
     return (_USE_TMA and layout.causal and layout.block_size >= gathered_tile
-            and head_dim == _next_power_of_2(head_dim) and _has_tma(device))
+            and head_dim == next_power_of_2(head_dim) and _has_tma(device))
 
 
 def _row_descriptors(use_tma: bool, block_rows: int, tensors: tuple, row_views: tuple) -> tuple:
@@ -897,7 +891,7 @@ def _common_constexprs(q: torch.Tensor, layout: BlockLayout, problem: _Problem) 
     head_dim = q.shape[-1]
     return dict(
         HEAD_DIM=head_dim,
-        BLOCK_D=_next_power_of_2(head_dim),  # D = 80, 96, ... are padded to a power of two and masked
+        BLOCK_D=next_power_of_2(head_dim),  # D = 80, 96, ... are padded to a power of two and masked
         BLOCK_SIZE=layout.block_size,
         CAUSAL=layout.causal,
         IS_VARLEN=problem.is_varlen,

@@ -1,4 +1,5 @@
-"""Importing Triton for the kernel files: a clear error where it is missing, and an interpreter fix.
+"""Importing Triton for the kernel files: a clear error where it is missing, an interpreter fix, and the launchers'
+``next_power_of_2``.
 
 Kernel files do ``from .triton_setup import tl, triton``. The import sits in ``try`` so that transformers'
 ``check_imports`` (which skips ``try`` blocks) lets a ``trust_remote_code`` checkpoint load on machines without
@@ -40,4 +41,12 @@ def _patch_interpreter_loop_bounds() -> None:
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_loop_bounds()
 
-__all__ = ["tl", "triton"]
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``), for the launchers' block sizes; plain Python, where
+    ``triton.next_power_of_2`` (a ``constexpr_function`` in newer Triton) costs a few microseconds a call on the
+    launch path."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+__all__ = ["next_power_of_2", "tl", "triton"]

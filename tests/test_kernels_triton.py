@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from s2_models.kernels import S2Pattern, s2_attention, triton_impl  # noqa: E402
+from s2_models.kernels import S2Pattern, s2_attention, triton_impl, triton_setup  # noqa: E402
 from s2_models.kernels.layouts import BlockLayout  # noqa: E402
 from s2_models.kernels.naive import naive_s2_attention  # noqa: E402
 
@@ -305,9 +305,9 @@ def test_dkdv_group_split_matches_reference(monkeypatch, group_split, dtype):
 
 
 def test_the_launchers_power_of_two_is_tritons():
-    """The launch path's plain-Python ``_next_power_of_2`` (tune keys, ``BLOCK_D``, the TMA check) equals Triton's."""
+    """The launchers' plain-Python ``next_power_of_2`` (tune keys, block sizes, the TMA check) equals Triton's."""
     for n in range(1, 1100):
-        assert triton_impl._next_power_of_2(n) == triton_impl.triton.next_power_of_2(n), n
+        assert triton_setup.next_power_of_2(n) == triton_setup.triton.next_power_of_2(n), n
 
 
 @pytest.mark.parametrize("resident_is_query", [True, False], ids=["query-tiles", "key-tiles"])
