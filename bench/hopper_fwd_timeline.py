@@ -109,7 +109,7 @@ CONSUMER_STAMPS = {
          f"                _stamp(trace, iteration, {CONSUMER}2, first_slot, 4)\n", "before")],
     3: [("                # The next ring step's K was read by s_next only where it is a plain first step",
          f"                _stamp(trace, iteration, {CONSUMER}3, step, 4)\n", "before")],
-    4: [("            iteration += 1\n            work = next_work\n            seq = n_seq\n",
+    4: [("            iteration += 1\n            work = next_work\n            seqlen_k_seq = n_seqlen_k_seq\n",
          f"            _stamp(trace, iteration, {CONSUMER}4, step, 4)\n", "before")],
     5: [("        pending = pending * (num_entries * (work < num_work) == 0)\n",
          f"        _stamp(trace, 0, {CONSUMER}5, pending, 4)\n"),
