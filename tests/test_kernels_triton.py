@@ -515,6 +515,7 @@ def test_warp_specialized_output_origin_finds_every_row(layout_name):
                 offset = b * strides[0] + h * strides[1] + t * strides[2]
                 assert (b * rows_b + h * rows_h + t) * row_stride + h * cols_h == offset, (b, h, t)
 
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("programs", [None, 3], ids=["one-per-sm", "3-programs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
