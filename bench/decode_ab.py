@@ -13,11 +13,18 @@ modules of ``s2_models.kernels`` so that their relative imports resolve::
 
     git show HEAD~1:kernels/decode_triton.py > .gpu/decode_before.py
     python bench/decode_ab.py --version before=.gpu/decode_before.py --out $OUT/decode_ab.json
+
+The JSON's ``variants`` give each version's compiled kernels: warps, stages, registers, shared memory and how many of
+its programs fit on one SM (the driver's occupancy query). Versions that differ there pack a launch differently: under
+programmatic dependent launch the next launch's programs take an SM's spare slots early, and a one-split launch of ~2
+programs an SM lost 20% where three fitted (bench/NOTES.md, forty-eighth session).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
 import itertools
 import json
 
@@ -84,8 +91,41 @@ def main():
             print(f"  {label:36s} {arm['median_us']:7.2f} us  {arm['fraction_of_copy_bandwidth']:.3f}"
                   f"  diff {arm['max_abs_diff_vs_head']:.2e}  rounds {[round(u, 2) for u in arm['us']]}", flush=True)
         torch.cuda.empty_cache()
+        results["variants"] = {name: compiled_variants(module) for name, module in versions.items()}
         with open(args.out, "w") as f:  # after each shape, so that a run cut by its time limit keeps what it measured
             json.dump(results, f, indent=1)
+    for name, variants in results["variants"].items():
+        print(name, *variants, sep="\n  ")
+
+
+def compiled_variants(module) -> list[dict]:
+    """Every variant of ``module``'s decode kernel compiled so far (on a GPU; none in the interpreter): warps, stages,
+    registers, shared memory and programs an SM."""
+    variants = []
+    for kernel_cache, *_ in getattr(module.s2_decode_fwd_kernel, "device_caches", {}).values():
+        for compiled in kernel_cache.values():
+            compiled._init_handles()  # loads the binary, which gives its register count
+            meta = compiled.metadata
+            variants.append({"num_warps": meta.num_warps, "num_stages": meta.num_stages, "registers": compiled.n_regs,
+                             "shared_bytes": meta.shared, "programs_per_sm": programs_per_sm(compiled)})
+    return variants
+
+
+@functools.cache
+def _libcuda():
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def programs_per_sm(compiled) -> int:
+    """How many programs of a compiled Triton kernel can be resident on one SM at once
+    (``cuOccupancyMaxActiveBlocksPerMultiprocessor`` over its registers, threads and shared memory)."""
+    count = ctypes.c_int()
+    status = _libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(count), ctypes.c_void_p(compiled.function), 32 * compiled.metadata.num_warps,
+        ctypes.c_size_t(compiled.metadata.shared))
+    if status != 0:
+        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUDA error {status}")
+    return count.value
 
 
 def measure_shape(versions, arms, layout, batch, length, spare_slots, query_tokens, rounds, copy_bw,

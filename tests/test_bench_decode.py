@@ -38,6 +38,7 @@ def test_loaded_copy_runs_like_the_package(tmp_path):
         setup = {"q": q, "seq_lens": seq_lens, "num_ring": num_ring, "split_counters": counters}
         assert torch.equal(decode_ab.launch(module, setup, layout, (64, 2, 1), 3, k, v), expected)
         assert counters is None or not counters.any()
+    assert decode_ab.compiled_variants(module) == []  # the interpreter compiles nothing; on a GPU, one entry a variant
 
 
 @pytest.mark.parametrize("programs, block", [(3, 2048), (7, 4096)])
