@@ -71,3 +71,31 @@ def test_timeline_phases_from_stamps():
     assert phases["loop"] == [10.0, 13.0, 16.0] and phases["merge"] == [0.7, 0.7, 0.7]
     assert phases["span_us"] == 18.2 and phases["most_programs_on_one_sm"] == 2
     assert phases["per_program"][3] == [2, 0.0, 1.0, 17.0, 18.2]
+
+
+@pytest.mark.gpu
+def test_compiled_variants_report_each_launch_shape(tmp_path):
+    """On a GPU ``decode_ab`` lists one entry per compiled launch shape, and its programs an SM stay within what the
+    variant's registers and shared memory allow (an occupancy query given the wrong threads or bytes overshoots)."""
+    copy = tmp_path / "decode_copy.py"
+    shutil.copy(decode_triton.__file__, copy)
+    module = decode_ab.load_version(str(copy))  # a fresh kernel: only this test's variants
+    layout = CompactLayout(S2Pattern(block_size=64, local_blocks=2, vert_stride=4), num_q_heads=8, num_kv_heads=2,
+                           ring_blocks=2)
+    seq_lens = torch.tensor([1000, 700], dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 8, 1, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 8 * 64, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    setup = {"q": q, "seq_lens": seq_lens, "num_ring": 2, "split_counters": None}
+    for stages in (3, 4):
+        decode_ab.launch(module, setup, layout, (128, 4, stages), 2, k, v)
+    variants = sorted(decode_ab.compiled_variants(module), key=lambda variant: variant["num_stages"])
+    assert [(variant["num_warps"], variant["num_stages"]) for variant in variants] == [(4, 3), (4, 4)]
+    properties = torch.cuda.get_device_properties(0)
+    for variant in variants:
+        threads = 32 * variant["num_warps"]
+        by_threads = properties.max_threads_per_multi_processor // threads
+        by_registers = getattr(properties, "regs_per_multiprocessor", 65536) // (variant["registers"] * threads)
+        by_shared = properties.shared_memory_per_multiprocessor // max(1, variant["shared_bytes"])
+        assert 1 <= variant["programs_per_sm"] <= min(by_threads, by_registers, by_shared), variant
+    assert variants[0]["shared_bytes"] < variants[1]["shared_bytes"]
+    assert variants[1]["programs_per_sm"] <= variants[0]["programs_per_sm"]
