@@ -370,9 +370,10 @@ def _choose_num_splits(programs: int, num_tiles: int, device: torch.device) -> i
 @dataclass(frozen=True)
 class DecodeTiles:
     """Launch shape of ``s2_decode_fwd_kernel``: keys per iteration, warps, software-pipelining depth. The default
-    is the fastest of ``bench/decode_ab.py``'s sweep on an H100 at every shape measured but one (batch 8, 32k: 0.749
-    of the copy bandwidth). On an H200 a fourth stage is 2.5% faster at batch 8, 32k (0.656 against 0.640) and
-    slower at 1 x 32k and 32 x 32k (bench/NOTES.md, thirty-second and forty-sixth sessions)."""
+    is the fastest of ``bench/decode_ab.py``'s sweep on an H100 at every shape measured but 32 x 32k, where a fourth
+    stage is 0.6% faster; at batch 8, 32k it reads 0.749 of the copy bandwidth. On an H200 a fourth stage is 2.5%
+    faster at batch 8, 32k (0.656 against 0.640) and slower at 1 x 32k and 32 x 32k (bench/NOTES.md, thirty-second
+    and forty-sixth sessions)."""
 
     block_n: int = 128
     num_warps: int = 4
