@@ -279,24 +279,32 @@ def _skinny_tile(x_ptr, w_ptr, tile, M, N, K, stride_xm, stride_wn, BLOCK_N: tl.
 
 
 @triton.jit
-def _store_tile(o_ptr, acc, tile, M, N, stride_om, BLOCK_N: tl.constexpr):
+def _store_tile(o_ptr, acc, tile, M, N, stride_om, BLOCK_N: tl.constexpr, r_ptr=None, stride_rm=0,
+                ADD_RESIDUAL: tl.constexpr = False):
+    """Store the ``[16, BLOCK_N]`` product tile in o's dtype; with ``ADD_RESIDUAL``, ``residual + product`` rounded as
+    PyTorch rounds ``residual + (x @ w.T)``: the product to o's dtype first, then the sum computed in float32."""
     rows = tl.arange(0, 16)[:, None]
     cols = (tile * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
-    tl.store(o_ptr + rows * stride_om + cols, acc.to(o_ptr.dtype.element_ty), mask=(rows < M) & (cols < N))
+    in_bounds = (rows < M) & (cols < N)
+    out = acc.to(o_ptr.dtype.element_ty)
+    if ADD_RESIDUAL:
+        residual = tl.load(r_ptr + rows * stride_rm + cols, mask=in_bounds, other=0.0)
+        out = (out.to(tl.float32) + residual.to(tl.float32)).to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + rows * stride_om + cols, out, mask=in_bounds)
 
 
 @triton.jit
-def _linear_group_kernel(x_ptr, w0, w1, w2, o0, o1, o2, M, N0, N1, N2, K, tiles0, tiles01, stride_xm, stride_w0,
-                         stride_w1, stride_w2, stride_o0, stride_o1, stride_o2, NUM_WEIGHTS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    # Programs [0, tiles0) compute o0 = x @ w0^T, [tiles0, tiles01) o1, the rest o2. Only NUM_WEIGHTS branches are
-    # compiled: each holds its own pipeline buffers in shared memory.
+def _linear_group_kernel(x_ptr, w0, w1, w2, o0, o1, o2, r0, M, N0, N1, N2, K, tiles0, tiles01, stride_xm, stride_w0,
+                         stride_w1, stride_w2, stride_o0, stride_o1, stride_o2, stride_r0, NUM_WEIGHTS: tl.constexpr,
+                         ADD_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    # Programs [0, tiles0) compute o0 = x @ w0^T (+ r0 with ADD_RESIDUAL), [tiles0, tiles01) o1, the rest o2. Only
+    # NUM_WEIGHTS branches are compiled: each holds its own pipeline buffers in shared memory.
     wait_for_preceding_kernel(PDL)
     pid = tl.program_id(0)
     if pid < tiles0:
         acc = _skinny_tile(x_ptr, w0, pid, M, N0, K, stride_xm, stride_w0, BLOCK_N, BLOCK_K, STAGES, DOT_PRECISION)
-        _store_tile(o0, acc, pid, M, N0, stride_o0, BLOCK_N)
+        _store_tile(o0, acc, pid, M, N0, stride_o0, BLOCK_N, r0, stride_r0, ADD_RESIDUAL)
     elif NUM_WEIGHTS == 2 or (NUM_WEIGHTS == 3 and pid < tiles01):
         tile = pid - tiles0
         acc = _skinny_tile(x_ptr, w1, tile, M, N1, K, stride_xm, stride_w1, BLOCK_N, BLOCK_K, STAGES, DOT_PRECISION)
@@ -332,8 +340,10 @@ def _dot_precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"  # ignored for 16-bit inputs
 
 
-def linear_group_fwd(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``[x @ w.T for w in weights]`` (1 to 3 weights ``[N_i, K]``, unit column stride; x ``[M <= 16, K]``)."""
+def linear_group_fwd(x: torch.Tensor, weights: list[torch.Tensor],
+                     residual: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """``[x @ w.T for w in weights]`` (1 to 3 weights ``[N_i, K]``, unit column stride; x ``[M <= 16, K]``); with
+    ``residual [M, N_0]`` (unit column stride), the first output is ``residual + x @ w_0.T`` (``_store_tile``)."""
     m, k = x.shape
     outs = [x.new_empty((m, w.shape[0])) for w in weights]
     tiles_config = _skinny_tiles(x, buffered_loops=min(len(weights), 2), max_stages=5)
@@ -343,9 +353,12 @@ def linear_group_fwd(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch
     slot_outs = [*outs, *[outs[0]] * (3 - len(outs))]
     if m:
         _linear_group_kernel[(sum(tiles),)](
-            x, *slot_weights, *slot_outs, m, *(w.shape[0] for w in slot_weights), k, tiles[0], sum(tiles[:2]),
-            x.stride(0), *(w.stride(0) for w in slot_weights), *(o.stride(0) for o in slot_outs),
-            NUM_WEIGHTS=len(weights), DOT_PRECISION=_dot_precision(x), **tiles_config, **launch_options(x.device),
+            x, *slot_weights, *slot_outs, outs[0] if residual is None else residual, m,
+            *(w.shape[0] for w in slot_weights), k, tiles[0], sum(tiles[:2]), x.stride(0),
+            *(w.stride(0) for w in slot_weights), *(o.stride(0) for o in slot_outs),
+            0 if residual is None else residual.stride(0), NUM_WEIGHTS=len(weights),
+            ADD_RESIDUAL=residual is not None, DOT_PRECISION=_dot_precision(x), **tiles_config,
+            **launch_options(x.device),
         )
     return outs
 

@@ -438,6 +438,12 @@ def apply_rotary(query, key, cos, sin, backend: str):
     return apply_rotary_pos_emb(query, key, cos, sin)
 
 
+def called_plainly(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs only its class's ``forward``: no hooks of its own and no ``forward`` replaced
+    on the instance (as accelerate's offloading does). Only then may a fused path take over its call."""
+    return not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+
+
 class S2LlamaRMSNorm(LlamaRMSNorm):
     """``LlamaRMSNorm`` (same weight, same function), one fused kernel where the S2 kernels run Triton."""
 
@@ -454,8 +460,7 @@ class S2LlamaRMSNorm(LlamaRMSNorm):
         """``(self(residual + hidden_states), residual + hidden_states)``: a decoder layer's residual add and this
         norm, in one kernel where the norm is fused. A module with hooks or a replaced ``forward`` is called as
         usual, so it sees what it would see in Llama."""
-        plain = not (self._forward_hooks or self._forward_pre_hooks or "forward" in self.__dict__)
-        if plain and self._fused(hidden_states) and residual.shape == hidden_states.shape:
+        if called_plainly(self) and self._fused(hidden_states) and residual.shape == hidden_states.shape:
             return add_rms_norm(hidden_states, residual, self.weight, self.variance_epsilon)
         summed = residual + hidden_states
         return self(summed), summed
@@ -469,14 +474,29 @@ class S2LlamaMLP(LlamaMLP):
     and at decode sizes gate, up and SwiGLU in one launch (``decode_projections_fit``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = self.config.hidden_act in ("silu", "swish") and use_fused_kernels(self.config.s2_backend, x)
-        if fused and decode_projections_fit(x, (self.gate_proj, self.up_proj, self.down_proj)):
+        if self._decode_sized(x):
             hidden = linear_swiglu(x, self.gate_proj.weight, self.up_proj.weight)
             return linear_group(hidden, [self.down_proj.weight])[0]
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if fused and gate.dtype == up.dtype:
+        if self._fused(x) and gate.dtype == up.dtype:
             return self.down_proj(swiglu(gate, up))
         return self.down_proj(self.act_fn(gate) * up)
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)``, a decoder layer's closing residual add: at decode sizes inside the down
+        projection's launch (a launch of its own is ~1.5-3 us of a ~1.5 ms decode step, per layer; bench/NOTES.md),
+        with the same rounding. A module with hooks or a replaced ``forward`` is called as usual, so it sees what it
+        would see in Llama."""
+        if called_plainly(self) and self._decode_sized(x) and residual.shape == x.shape and residual.dtype == x.dtype:
+            hidden = linear_swiglu(x, self.gate_proj.weight, self.up_proj.weight)
+            return linear_group(hidden, [self.down_proj.weight], residual=residual)[0]
+        return residual + self(x)
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        return self.config.hidden_act in ("silu", "swish") and use_fused_kernels(self.config.s2_backend, x)
+
+    def _decode_sized(self, x: torch.Tensor) -> bool:
+        return self._fused(x) and decode_projections_fit(x, (self.gate_proj, self.up_proj, self.down_proj))
 
 
 class S2LlamaDecoderLayer(GradientCheckpointingLayer):
@@ -513,8 +533,7 @@ class S2LlamaDecoderLayer(GradientCheckpointingLayer):
             **kwargs,
         )
         hidden_states, residual = self.post_attention_layernorm.add_and_norm(hidden_states, residual)
-        hidden_states = self.mlp(hidden_states)
-        return residual + hidden_states
+        return self.mlp.add_to(residual, hidden_states)
 
 
 class S2LlamaPreTrainedModel(PreTrainedModel):

@@ -139,6 +139,27 @@ def test_add_and_norm_of_a_hooked_norm_runs_its_forward():
         torch.testing.assert_close(a, b)
 
 
+def test_mlp_add_to_of_a_hooked_mlp_runs_its_forward():
+    """A decoder layer's closing residual add runs in the down projection's launch at decode sizes, giving what
+    ``residual + mlp(x)`` gives; an MLP with a hook is called as Llama calls it (the hook's output is what is added),
+    and training sizes keep the separate add."""
+    model = _tiny_model("triton").eval()
+    mlp = model.model.layers[0].mlp
+    x, residual = torch.randn(2, 1, 64, device=DEVICE), torch.randn(2, 1, 64, device=DEVICE)
+    with torch.no_grad(), _RecordOps() as recorded:
+        plain = mlp.add_to(residual, x)
+    assert "aten::add.Tensor" not in recorded.names and "s2::linear_group" in recorded.names
+    with torch.no_grad():
+        assert torch.equal(plain, residual + mlp(x))
+    with _RecordOps() as recorded:  # gradients enabled: nn.Linear and a separate add
+        trained = mlp.add_to(residual, x)
+    assert "aten::add.Tensor" in recorded.names and "s2::linear_group" not in recorded.names
+    torch.testing.assert_close(trained, plain)
+    mlp.register_forward_hook(lambda module, args, out: out * 0)
+    with torch.no_grad():
+        assert torch.equal(mlp.add_to(residual, x), residual)
+
+
 def test_rms_norm_keeps_leading_dims_and_rejects_bad_weights():
     x = torch.randn(2, 3, 48, device=DEVICE)
     assert rms_norm(x, torch.ones(48, device=DEVICE), 1e-6).shape == (2, 3, 48)
@@ -218,6 +239,23 @@ def test_linear_group_matches_torch(dtype, tokens, num_weights):
 
 
 @pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+@pytest.mark.parametrize("tokens", [1, 5, MAX_DECODE_TOKENS])
+def test_linear_group_residual_is_pytorchs_sum(dtype, tokens):
+    """``linear_group(x, [w], residual=r)`` is bit for bit ``r + linear_group(x, [w])``: the product rounded to the
+    dtype, then the sum as PyTorch computes it (so a decoder layer's output does not change with the fusion), and
+    within tolerance of ``r + x @ w.T`` in float64. A residual strided as the model's (a view) and a width that is
+    not a multiple of the 32-row tiles."""
+    x = torch.randn(tokens, 1, 300, dtype=dtype, device=DEVICE)
+    w = torch.randn(70, 300, dtype=dtype, device=DEVICE) / 17
+    residual = torch.randn(tokens, 1, 140, dtype=dtype, device=DEVICE)[..., ::2] * 3
+    with torch.no_grad():
+        fused = linear_group(x, [w], residual=residual)[0]
+        assert torch.equal(fused, residual + linear_group(x, [w])[0])
+    assert_matches_llama(_no_grad(lambda x_, w_, r_: linear_group(x_, [w_], residual=r_)[0]),
+                         lambda x_, w_, r_: r_ + torch.nn.functional.linear(x_, w_), (x, w, residual))
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
 def test_linear_swiglu_matches_llama_mlp(dtype):
     x = torch.randn(3, 2, 300, dtype=dtype, device=DEVICE)
     w_gate, w_up = (torch.randn(70, 300, dtype=dtype, device=DEVICE) / 17 for _ in "gu")
@@ -262,6 +300,11 @@ def test_decode_projections_reject_what_they_cannot_take():
         linear_group(torch.randn(MAX_DECODE_TOKENS + 1, 32, device=DEVICE), [torch.randn(8, 32, device=DEVICE)])
     with pytest.raises(ValueError, match="between 1 and 3 weights"):
         linear_group(x, [torch.randn(8, 32, device=DEVICE)] * 4)
+    w = torch.randn(8, 32, device=DEVICE)
+    for weights, residual in (([w, w], torch.randn(2, 8, device=DEVICE)), ([w], torch.randn(2, 9, device=DEVICE)),
+                              ([w], torch.randn(2, 8, device=DEVICE).double())):
+        with pytest.raises(ValueError, match=r"residual must come with one weight and be \[2, 8\]"):
+            linear_group(x, weights, residual=residual)
 
 
 # ---------------------------------------------------------------------------------------------- the ops
@@ -286,6 +329,8 @@ def test_custom_ops_pass_opcheck():
         (rotary_op, (q.requires_grad_(), k.requires_grad_(), cos, sin)),
         (rotary_backward_op, (grad(q), grad(k), cos, sin, torch.float32, torch.float32)),
         (linear_group_op, (torch.randn(3, 48, device=DEVICE), [torch.randn(n, 48, device=DEVICE) for n in (40, 8)])),
+        (linear_group_op, (torch.randn(3, 48, device=DEVICE), [torch.randn(40, 48, device=DEVICE)],
+                           torch.randn(3, 40, device=DEVICE))),
         (linear_swiglu_op, (torch.randn(3, 48, device=DEVICE), torch.randn(40, 48, device=DEVICE),
                             torch.randn(40, 48, device=DEVICE))),
     ):
@@ -442,3 +487,7 @@ def test_fused_kernels_on_the_gpu_at_model_sizes(dtype):
     down = torch.randn(2048, 8192, device="cuda", dtype=dtype) / 90
     assert_matches_llama(_no_grad(lambda x_, w: linear_group(x_, [w])[0]), torch.nn.functional.linear,
                          (hidden, down))
+    residual = torch.randn(8, 1, 2048, device="cuda", dtype=dtype)
+    with torch.no_grad():  # the decoder layer's closing add in down's launch: PyTorch's sum, bit for bit
+        assert torch.equal(linear_group(hidden, [down], residual=residual)[0],
+                           residual + linear_group(hidden, [down])[0])
