@@ -255,8 +255,9 @@ def _bht(x: torch.Tensor) -> tuple[int, int, int]:
 
 # ---------------------------------------------------------------------------------------------- decode-sized linears
 # Projections of a decode step (a few tokens) read a whole weight matrix for a handful of rows: memory-bound, and at
-# this size cuBLAS's kernels reach ~1.5 TB/s on an H100 for the 8 MB projections. One launch for q, k and v together
-# and one for gate and up with SwiGLU fused (bench/NOTES.md has the measurements). A program holds all tokens in one
+# this size cuBLAS's kernels reach ~1.5 TB/s on an H100 for the 8 MB projections. One launch for q, k and v together,
+# one for gate and up with SwiGLU fused, and down's adds the decoder layer's residual (bench/NOTES.md has the
+# measurements). A program holds all tokens in one
 # 16-row tile (the smallest tl.dot tile): up to 16 tokens (``fused.MAX_DECODE_TOKENS``).
 
 
