@@ -354,7 +354,7 @@ def linear_group_fwd(x: torch.Tensor, weights: list[torch.Tensor],
     slot_outs = [*outs, *[outs[0]] * (3 - len(outs))]
     if m:
         _linear_group_kernel[(sum(tiles),)](
-            x, *slot_weights, *slot_outs, outs[0] if residual is None else residual, m,
+            x, *slot_weights, *slot_outs, outs[0] if residual is None else residual, m,  # (unread without one)
             *(w.shape[0] for w in slot_weights), k, tiles[0], sum(tiles[:2]), x.stride(0),
             *(w.stride(0) for w in slot_weights), *(o.stride(0) for o in slot_outs),
             0 if residual is None else residual.stride(0), NUM_WEIGHTS=len(weights),

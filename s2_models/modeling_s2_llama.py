@@ -496,7 +496,8 @@ class S2LlamaMLP(LlamaMLP):
         return self.config.hidden_act in ("silu", "swish") and use_fused_kernels(self.config.s2_backend, x)
 
     def _decode_sized(self, x: torch.Tensor) -> bool:
-        return self._fused(x) and decode_projections_fit(x, (self.gate_proj, self.up_proj, self.down_proj))
+        # decode_projections_fit first: while training it returns at its first check, and forward asks _fused again
+        return decode_projections_fit(x, (self.gate_proj, self.up_proj, self.down_proj)) and self._fused(x)
 
 
 class S2LlamaDecoderLayer(GradientCheckpointingLayer):
