@@ -76,6 +76,9 @@ def portable_kernels() -> None:
                                     seq_lens, chunk_layout, num_ring_slots=chunk_layout.num_ring_slots(n), num_splits=2)
             new = k.detach()[:, :, :3]
             s2_cache_append(cache, cache.clone(), new, new, seq_lens, layout, num_ring_slots=layout.num_ring_slots(n))
+            # the static cache's step: one program a row, the lengths advanced in the same launch
+            s2_cache_append(ahead, ahead.clone(), new[:, :, :1], new[:, :, :1], seq_lens - 1, layout,
+                            num_ring_slots=layout.ring_blocks, advance_lengths=True)
         # The fused RMSNorm (more rows than the backward's programs, odd width, row stride != width), SwiGLU (masked
         # tail) and rotary (GQA, half a head not a power of two, cos shared by the batch), forward and backward.
         x = torch.randn(1031, 107, device=DEVICE, dtype=dtype)[:, :100].requires_grad_()

@@ -79,31 +79,39 @@ def block_slots(layout: CompactLayout, blocks: torch.Tensor, num_ring: int) -> t
 
 
 def s2_cache_append(k_cache, v_cache, key, value, seq_lens, layout: CompactLayout, *, num_ring_slots: int,
-                    backend: str = "auto") -> None:
+                    advance_lengths: bool = False, backend: str = "auto") -> None:
     """Write the ``Tq`` newest tokens of every row into their slots of the compact cache, in place.
 
     ``key/value [B, Hkv, Tq, D]``: row ``b``'s token ``t`` sits at position ``seq_lens[b] - Tq + t``; negative
     positions (left padding of a row that is still empty) are skipped. ``k_cache/v_cache [B, Hkv, S * bs, D]`` in
     ``layout`` with ``num_ring_slots`` ring slots, with room for the new blocks (see ``ring_blocks_for``).
+    ``advance_lengths=True``: ``seq_lens`` holds the lengths before the new tokens (all real: row ``b``'s token
+    ``t`` at ``seq_lens[b] + t``), and the call adds ``Tq`` to them in place. On CUDA that is done inside the
+    append's launch, so a decode step runs no separate kernel for it (see ``S2StaticLayer``).
     On CUDA one Triton launch does it; decoding calls this once per layer and step. Runs as the custom op
-    ``s2::cache_append`` (mutating the caches), so ``torch.compile`` traces it without a graph break.
+    ``s2::cache_append`` (mutating the caches and the lengths), so ``torch.compile`` traces it without a graph
+    break.
     """
     check_backend(backend)
+    if not isinstance(advance_lengths, bool):
+        raise ValueError(f"advance_lengths must be a bool, got {advance_lengths!r}")
     cache_append_op(k_cache, v_cache, key, value, seq_lens, pattern_to_ints(layout.pattern), layout.num_q_heads,
-                    layout.ring_blocks, num_ring_slots, backend)
+                    layout.ring_blocks, num_ring_slots, advance_lengths, backend)
 
 
-@torch.library.custom_op(f"{OP_NAMESPACE}::cache_append", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op(f"{OP_NAMESPACE}::cache_append", mutates_args=("k_cache", "v_cache", "seq_lens"))
 def cache_append_op(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     seq_lens: torch.Tensor, pattern: list[int], num_q_heads: int, ring_blocks: int,
-                    num_ring_slots: int, backend: str) -> None:
+                    num_ring_slots: int, advance_lengths: bool, backend: str) -> None:
     """``s2_cache_append`` with the layout as ``(pattern_to_ints(pattern), num_q_heads, ring_blocks)``."""
     layout = _layout_from_ints(tuple(pattern), num_q_heads, key.shape[1], ring_blocks)
     if not use_triton(backend, key):
+        if advance_lengths:
+            seq_lens.add_(key.shape[2])
         return _cache_append_torch(k_cache, v_cache, key, value, seq_lens, layout, num_ring_slots)
     from .decode_triton import cache_append_triton
 
-    cache_append_triton(k_cache, v_cache, key, value, seq_lens, layout, num_ring_slots)
+    cache_append_triton(k_cache, v_cache, key, value, seq_lens, layout, num_ring_slots, advance_lengths)
 
 
 @cache_append_op.register_fake

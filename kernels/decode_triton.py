@@ -30,7 +30,7 @@ Entry point ``decode_attention_triton(q, k_cache, v_cache, seq_lens, layout, num
   [64, D] as groups would spill).
 * On Hopper and later GPUs the kernel (and the cache append before it) launches with programmatic dependent launch
   (``dependent_launch.py``): its programs load the layout's slot tables while the previous kernel finishes, then
-  wait for it before reading anything else.
+  wait for it before reading anything else. The append lets this kernel launch only at its end (see there why).
 * A few compiled variants serve every chunk length and cache size: tile heights do not follow ``Tq`` (8, 16 or 64
   query rows), and the arguments that change from call to call (``Tq``, slot and split counts, strides that depend
   on ``Tq``) are not specialised on. Triton would otherwise compile a new variant whenever one of them became 1 or a
@@ -48,7 +48,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .dependent_launch import launch_options, wait_for_preceding_kernel
+from .dependent_launch import (
+    launch_next_kernel,
+    launch_options,
+    wait_for_preceding_kernel,
+    wait_for_preceding_kernel_alone,
+)
 from .layouts import CompactLayout
 from .triton_impl import row_mask
 from .triton_setup import next_power_of_2, tl, triton
@@ -463,41 +468,63 @@ def s2_cache_append_kernel(
     stride_rh,
     num_kv_heads, seqlen_q, num_ring, RING_BLOCKS: tl.constexpr, VERT_STRIDE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
-    PDL: tl.constexpr,
+    ADVANCE_LENGTHS: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Grid ``(cdiv(Tq, BLOCK_T), B * Hkv)``: copy new K/V rows to their slots (``decode.block_slots``' rule)."""
-    wait_for_preceding_kernel(PDL)
-    batch = tl.program_id(1) // num_kv_heads
-    kv_head = tl.program_id(1) % num_kv_heads
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    pos = tl.load(seq_lens + batch).to(tl.int32) - seqlen_q + t
-    real = (t < seqlen_q) & (pos >= 0)
-    block = tl.maximum(pos, 0) // BLOCK_SIZE
-    rank = tl.load(ranks + kv_head.to(tl.int64) * stride_rh + block % VERT_STRIDE, mask=real, other=-1)
-    num_vertical = tl.load(counts + kv_head)
-    slot = tl.where(rank >= 0, num_ring + (block // VERT_STRIDE) * num_vertical + rank, block % RING_BLOCKS)
-    cache_row = slot * BLOCK_SIZE + tl.maximum(pos, 0) % BLOCK_SIZE
+    """Copy new K/V rows to their slots (``decode.block_slots``' rule). A program copies the (KV head, token) pairs
+    ``[first, end)`` of one batch row, numbered ``head * Tq + token``, ``BLOCK_T`` pairs at a time. Grid
+    ``(cdiv(Tq, BLOCK_T), B * Hkv)``: up to ``BLOCK_T`` tokens of one KV head. With ``ADVANCE_LENGTHS``, grid
+    ``(1, B)``: every pair of the row, then the row's length advanced by ``Tq``. The one program that reads a row's
+    length is then the one that writes it, so no other program can read the advanced length by mistake."""
+    wait_for_preceding_kernel_alone(PDL)  # the decode kernel after it launches at its end (dependent_launch.py)
+    if ADVANCE_LENGTHS:
+        batch = tl.program_id(1)
+        first, end = 0, num_kv_heads * seqlen_q
+        length = tl.load(seq_lens + batch)
+        first_pos = length.to(tl.int32)  # the new tokens follow the stored ones
+    else:
+        batch = tl.program_id(1) // num_kv_heads
+        head_start = (tl.program_id(1) % num_kv_heads) * seqlen_q
+        first = head_start + tl.program_id(0) * BLOCK_T
+        end = tl.minimum(first + BLOCK_T, head_start + seqlen_q)
+        first_pos = tl.load(seq_lens + batch).to(tl.int32) - seqlen_q  # the row's length counts the new tokens
     d = tl.arange(0, BLOCK_D)
-    mask = row_mask(real, HEAD_DIM, BLOCK_D)
-    src_k = key + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
-    src_v = value + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
-    dst_k = k_cache + batch.to(tl.int64) * stride_cb + kv_head.to(tl.int64) * stride_ch
-    dst_v = v_cache + batch.to(tl.int64) * stride_db + kv_head.to(tl.int64) * stride_dh
-    k_rows = tl.load(src_k + t.to(tl.int64)[:, None] * stride_kt + d[None, :] * stride_kd, mask=mask)
-    v_rows = tl.load(src_v + t.to(tl.int64)[:, None] * stride_vt + d[None, :] * stride_vd, mask=mask)
-    tl.store(dst_k + cache_row.to(tl.int64)[:, None] * stride_ct + d[None, :] * stride_cd, k_rows, mask=mask)
-    tl.store(dst_v + cache_row.to(tl.int64)[:, None] * stride_dt + d[None, :] * stride_dd, v_rows, mask=mask)
+    for pair_start in range(first, end, BLOCK_T):
+        pair = pair_start + tl.arange(0, BLOCK_T)
+        kv_head, t = (pair // seqlen_q).to(tl.int64), pair % seqlen_q
+        pos = first_pos + t
+        real = (pair < end) & (pos >= 0)  # negative positions: left padding of a row that is still empty
+        block = tl.maximum(pos, 0) // BLOCK_SIZE
+        rank = tl.load(ranks + kv_head * stride_rh + block % VERT_STRIDE, mask=real, other=-1)
+        num_vertical = tl.load(counts + kv_head, mask=real, other=0)
+        slot = tl.where(rank >= 0, num_ring + (block // VERT_STRIDE) * num_vertical + rank, block % RING_BLOCKS)
+        cache_row = (slot * BLOCK_SIZE + tl.maximum(pos, 0) % BLOCK_SIZE).to(tl.int64)
+        t = t.to(tl.int64)
+        mask = row_mask(real, HEAD_DIM, BLOCK_D)
+        src_k = key + batch.to(tl.int64) * stride_kb + kv_head * stride_kh + t * stride_kt
+        src_v = value + batch.to(tl.int64) * stride_vb + kv_head * stride_vh + t * stride_vt
+        dst_k = k_cache + batch.to(tl.int64) * stride_cb + kv_head * stride_ch + cache_row * stride_ct
+        dst_v = v_cache + batch.to(tl.int64) * stride_db + kv_head * stride_dh + cache_row * stride_dt
+        k_rows = tl.load(src_k[:, None] + d[None, :] * stride_kd, mask=mask)
+        v_rows = tl.load(src_v[:, None] + d[None, :] * stride_vd, mask=mask)
+        tl.store(dst_k[:, None] + d[None, :] * stride_cd, k_rows, mask=mask)
+        tl.store(dst_v[:, None] + d[None, :] * stride_dd, v_rows, mask=mask)
+    if ADVANCE_LENGTHS:
+        tl.store(seq_lens + batch, length + seqlen_q)
+    launch_next_kernel(PDL)
 
 
-def cache_append_triton(k_cache, v_cache, key, value, seq_lens, layout: CompactLayout, num_ring: int) -> None:
-    """Backend of ``decode.s2_cache_append``: one launch for every row, KV head and new token."""
+def cache_append_triton(k_cache, v_cache, key, value, seq_lens, layout: CompactLayout, num_ring: int,
+                        advance_lengths: bool) -> None:
+    """Backend of ``decode.s2_cache_append``: one launch for every row, KV head and new token (and, with
+    ``advance_lengths``, the rows' lengths)."""
     b, hkv, tq, d = key.shape
     tables = layout.tables(key.device)
     block_d = max(16, next_power_of_2(d))
-    s2_cache_append_kernel[(triton.cdiv(tq, TOKENS_PER_PROGRAM), b * hkv)](
+    grid = (1, b) if advance_lengths else (triton.cdiv(tq, TOKENS_PER_PROGRAM), b * hkv)
+    s2_cache_append_kernel[grid](
         key, value, k_cache, v_cache, seq_lens, tables.rank, tables.counts,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(), tables.rank.stride(0),
         hkv, tq, num_ring, layout.ring_blocks, layout.pattern.vert_stride,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, BLOCK_T=TOKENS_PER_PROGRAM,
-        **launch_options(key.device),
+        ADVANCE_LENGTHS=advance_lengths, **launch_options(key.device),
     )

@@ -15,6 +15,15 @@ may write, or writes anything. Only tables that are copied to the GPU once, when
 before it (the decode kernel's slot tables). Kernels launched the ordinary way (PyTorch's, cuBLAS's) wait for the
 whole of the kernel before them, as always.
 
+When to let the next kernel launch. Most kernels do it right after their wait, so that the next one's launch and
+set-up overlap as much of them as possible. The cache append lets the decode kernel after it launch only at its
+end. Measured on an H200 (the 1B hybrid's decode step at 8 x 32k as a CUDA graph; bench/NOTES.md, fifty-first
+session): with the append as one program a batch row that also advances the row lengths, letting the decode
+kernel launch at the append's start made the sparse layers' decode launches 18.6 -> 23.0 us (median) and the step
+slower than with a separate length add; at the append's end, 18.6 us and the step 1.45 -> 1.41 ms. Likely why (not
+profiled further): the decode kernel's ~128 programs at batch 8 are about one an SM and stay where they are first
+placed; placed while the append's programs still run, some SMs get two.
+
 ``S2_ATTENTION_PDL=0`` launches every kernel the ordinary way.
 """
 
@@ -57,4 +66,19 @@ def wait_for_preceding_kernel(PDL: tl.constexpr):
     launch (it waits for this one in turn). A no-op unless launched with PDL."""
     if PDL:
         gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_preceding_kernel_alone(PDL: tl.constexpr):
+    """``wait_for_preceding_kernel`` without letting the next kernel launch: the kernel calls
+    ``launch_next_kernel`` itself, at its end (see the module docstring)."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def launch_next_kernel(PDL: tl.constexpr):
+    """Let the next kernel launch, once every program of this one has called this."""
+    if PDL:
         gdc_launch_dependents()

@@ -133,9 +133,10 @@ class S2StaticLayer(S2CacheLayer):
 
     def _append_and_attend(self, query, key, value, scaling, backend):
         """The device work of a decode step: no host reads, so CUDA graphs and torch.compile capture it."""
-        self.seq_lens.add_(query.shape[2])  # in place: a captured graph keeps reading this tensor
+        # The lengths advance in place (a captured graph keeps reading this tensor), inside the append's launch: a
+        # separate add would be the one kernel of the layer launched the ordinary way (bench/NOTES.md).
         s2_cache_append(self.keys, self.values, key, value, self.seq_lens, self.layout, num_ring_slots=self.num_ring,
-                        backend=backend)
+                        advance_lengths=True, backend=backend)
         return s2_decode_attention(query, self.keys, self.values, self.seq_lens, self.layout,
                                    num_ring_slots=self.num_ring, scale=scaling, backend=backend,
                                    split_counters=self.split_counters)

@@ -18,6 +18,7 @@ from s2_models.kernels.decode import (
     cache_append_op,
     decode_attention_op,
     s2_cache_append,
+    s2_decode_attention,
     slot_blocks,
 )
 from s2_models.kernels.interface import attention_backward_op, attention_op, pattern_from_ints, pattern_to_ints
@@ -125,24 +126,36 @@ def test_decode_and_cache_append_ops_pass_opcheck():
         torch.library.opcheck(decode_attention_op, (q, k_cache, v_cache, seq_lens, pattern, layout.ring_blocks,
                                                     num_ring, 0.25, "torch", None, split_counters))
     key, value = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16)
-    torch.library.opcheck(cache_append_op, (k_cache, v_cache, key, value, seq_lens + 1, pattern, 4,
-                                            layout.ring_blocks, num_ring, "torch"))
+    for lengths, advance_lengths in ((seq_lens + 1, False), (seq_lens, True)):
+        torch.library.opcheck(cache_append_op, (k_cache, v_cache, key, value, lengths.clone(), pattern, 4,
+                                                layout.ring_blocks, num_ring, advance_lengths, "torch"))
 
 
-def test_cache_append_op_mutates_the_cache_under_compile():
-    """The append op is declared as mutating the caches, so a compiled graph keeps the write."""
+@pytest.mark.parametrize("advance_lengths", [False, True])
+def test_cache_append_op_mutates_the_cache_under_compile(advance_lengths):
+    """The append op is declared as mutating the caches and the lengths, so a compiled graph keeps the writes (and
+    a decode read after it sees the advanced lengths)."""
     layout, seq_lens, num_ring, k_cache, v_cache = decode_problem()
+    lengths = seq_lens if advance_lengths else seq_lens + 1
     key, value = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16)
-    expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    s2_cache_append(expected_k, expected_v, key, value, seq_lens + 1, layout, num_ring_slots=num_ring, backend="torch")
+    q = torch.randn(2, 4, 1, 16)
+    expected_k, expected_v, expected_lengths = k_cache.clone(), v_cache.clone(), lengths.clone()
+    s2_cache_append(expected_k, expected_v, key, value, expected_lengths, layout, num_ring_slots=num_ring,
+                    advance_lengths=advance_lengths, backend="torch")
+    expected_out = s2_decode_attention(q, expected_k, expected_v, expected_lengths, layout, num_ring_slots=num_ring,
+                                       backend="torch")
     assert not torch.equal(expected_k, k_cache)  # the append writes something, so the check below can fail
+    assert torch.equal(expected_lengths, seq_lens + 1)
 
-    def append(k_cache, v_cache, key, value, seq_lens):
-        s2_cache_append(k_cache, v_cache, key, value, seq_lens, layout, num_ring_slots=num_ring, backend="torch")
+    def step(k_cache, v_cache, key, value, lengths):
+        s2_cache_append(k_cache, v_cache, key, value, lengths, layout, num_ring_slots=num_ring,
+                        advance_lengths=advance_lengths, backend="torch")
+        return s2_decode_attention(q, k_cache, v_cache, lengths, layout, num_ring_slots=num_ring, backend="torch")
 
-    torch.compile(append, backend="aot_eager", fullgraph=True)(k_cache, v_cache, key, value, seq_lens + 1)
-    assert not torch.equal(k_cache, expected_k.clone().zero_())
+    out = torch.compile(step, backend="aot_eager", fullgraph=True)(k_cache, v_cache, key, value, lengths)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert torch.equal(lengths, expected_lengths)
+    torch.testing.assert_close(out, expected_out, rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------------------------------------ the model

@@ -206,10 +206,11 @@ def test_triton_on_gpu(dtype, tq):
 @pytest.mark.gpu
 def test_dependent_launches_read_what_the_kernel_before_wrote(monkeypatch):
     """With programmatic dependent launch (Hopper and later) the append and decode kernels may start before the
-    kernel ahead of them has finished, and must still read its writes. A CUDA graph of decode steps (row lengths
-    + 1, the new token's K/V appended, attention with 4 splits) whose new keys and values are large, each step
-    against the PyTorch path, and PDL off gives the same bits. A wait left out would be a race this test need not
-    catch (with it deleted from both kernels the test still passed on an H100): dependent_launch.py's rule keeps it."""
+    kernel ahead of them has finished, and must still read its writes. A CUDA graph of decode steps (the new
+    token's K/V appended and the row lengths advanced in one launch, attention with 4 splits) whose new keys and
+    values are large, each step against the PyTorch path, and PDL off gives the same bits. A wait left out would be
+    a race this test need not catch (with it deleted from both kernels the test still passed on an H100):
+    dependent_launch.py's rule keeps it."""
     pattern = S2Pattern(block_size=64, local_blocks=4, vert_stride=8)
     b, hkv, group, d, t, steps = 8, 8, 4, 128, 4096, 8
     layout = CompactLayout(pattern, hkv * group, hkv, ring_blocks_for(pattern, 1))
@@ -228,9 +229,9 @@ def test_dependent_launches_read_what_the_kernel_before_wrote(monkeypatch):
     def run(state, backend):
         kc, vc, seq_lens, counters = state
         outs = []
-        for i in range(steps):
-            seq_lens.add_(1)
-            s2_cache_append(kc, vc, new_k[i], new_v[i], seq_lens, layout, num_ring_slots=num_ring, backend=backend)
+        for i in range(steps):  # the static cache's step: the append advances the lengths in its launch
+            s2_cache_append(kc, vc, new_k[i], new_v[i], seq_lens, layout, num_ring_slots=num_ring,
+                            advance_lengths=True, backend=backend)
             outs.append(s2_decode_attention(q[i], kc, vc, seq_lens, layout, num_ring_slots=num_ring, backend=backend,
                                             num_splits=4, split_counters=counters))
         return torch.stack(outs)
@@ -293,6 +294,9 @@ def test_bad_input():
         s2_decode_attention(q, kc, vc, seq_lens, layout, num_ring_slots=num_ring, split_counters=torch.zeros(4))
     with pytest.raises(ValueError, match="ring_blocks"):
         CompactLayout(pattern, 4, 2, ring_blocks=1)
+    with pytest.raises(ValueError, match="advance_lengths must be a bool"):
+        s2_cache_append(kc, vc, kc[:, :, :1], vc[:, :, :1], seq_lens, layout, num_ring_slots=num_ring,
+                        advance_lengths=1)
     for block_n, num_warps in ((32, 4), (128, 8)):  # 4 and 8 keys in each of a warp's two key groups
         with pytest.raises(ValueError, match=r"tiles.block_n must give each key group >= 16 keys"):
             decode_triton.decode_attention_triton(q, kc, vc, seq_lens, layout, num_ring, 1.0, None,
@@ -303,7 +307,9 @@ def test_bad_input():
 @pytest.mark.parametrize("pattern", [PATTERNS[0], S2Pattern(block_size=16, local_blocks=1, vert_stride=3,
                                                              per_query_head=True)], ids=repr)
 def test_triton_append_writes_what_the_torch_path_writes(pattern, tq):
-    """New tokens land in the slots ``block_slots`` names; padding positions (row still empty) are skipped."""
+    """New tokens land in the slots ``block_slots`` names; padding positions (row still empty) are skipped. With
+    ``advance_lengths`` (lengths before the tokens, every token real) the same slots are written and each row's
+    length grows by ``tq``, whether one program (Triton) or a separate add (PyTorch) does it."""
     device = DEVICE
     layout = CompactLayout(pattern, 4, 2, ring_blocks_for(pattern, tq))
     seq_lens = torch.tensor([200, tq - 3, 131], device=device)  # row 1: three leading padding tokens
@@ -311,11 +317,23 @@ def test_triton_append_writes_what_the_torch_path_writes(pattern, tq):
     slots = num_ring + layout.num_vertical_slots(200)
     caches = [torch.randn(3, 2, slots * pattern.block_size, 48, device=device) for _ in range(2)]
     key, value = (torch.randn(3, 2, tq, 48, device=device) for _ in range(2))
+    lengths_before = torch.tensor([200 - tq, 0, 131 - tq], device=device)  # row 1 empty: its tokens at 0..tq-1
     written = {}
     for backend in ("torch", "triton"):
         k_cache, v_cache = (c.clone() for c in caches)
         s2_cache_append(k_cache, v_cache, key, value, seq_lens, layout, num_ring_slots=num_ring, backend=backend)
         written[backend] = (k_cache, v_cache)
-    assert torch.equal(written["torch"][0], written["triton"][0])
-    assert torch.equal(written["torch"][1], written["triton"][1])
+        k_cache, v_cache, lengths = (c.clone() for c in (*caches, lengths_before))
+        s2_cache_append(k_cache, v_cache, key, value, lengths, layout, num_ring_slots=num_ring, advance_lengths=True,
+                        backend=backend)
+        written[backend, "advanced"] = (k_cache, v_cache, lengths)
+    for written_by_torch, written_by_triton in ((written["torch"], written["triton"]),
+                                                (written["torch", "advanced"], written["triton", "advanced"])):
+        for expected, got in zip(written_by_torch, written_by_triton):
+            assert torch.equal(expected, got)
     assert not torch.equal(written["torch"][0], caches[0])
+    assert torch.equal(written["torch", "advanced"][2], lengths_before + tq)
+    # Rows 0 and 2 hold no padding: the same slots with either convention for the lengths.
+    for both in zip(written["torch"], written["torch", "advanced"]):
+        assert torch.equal(both[0][[0, 2]], both[1][[0, 2]])
+    assert not torch.equal(written["torch", "advanced"][0][1], caches[0][1])  # the empty row's tokens are written
