@@ -85,10 +85,11 @@ def s2_cache_append(k_cache, v_cache, key, value, seq_lens, layout: CompactLayou
     ``key/value [B, Hkv, Tq, D]``: row ``b``'s token ``t`` sits at position ``seq_lens[b] - Tq + t``; negative
     positions (left padding of a row that is still empty) are skipped. ``k_cache/v_cache [B, Hkv, S * bs, D]`` in
     ``layout`` with ``num_ring_slots`` ring slots, with room for the new blocks (see ``ring_blocks_for``).
+    On CUDA one Triton launch does it; decoding calls this once per layer and step.
+
     ``advance_lengths=True``: ``seq_lens`` holds the lengths before the new tokens (all real: row ``b``'s token
-    ``t`` at ``seq_lens[b] + t``), and the call adds ``Tq`` to them in place. On CUDA that is done inside the
-    append's launch, so a decode step runs no separate kernel for it (see ``S2StaticLayer``).
-    On CUDA one Triton launch does it; decoding calls this once per layer and step. Runs as the custom op
+    ``t`` at ``seq_lens[b] + t``), and the call adds ``Tq`` to them in place, on CUDA inside the same launch, so
+    that a decode step runs no separate kernel for it (``S2StaticLayer``'s steps). Runs as the custom op
     ``s2::cache_append`` (mutating the caches and the lengths), so ``torch.compile`` traces it without a graph
     break.
     """
