@@ -475,8 +475,7 @@ class S2LlamaMLP(LlamaMLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._decode_sized(x):
-            hidden = linear_swiglu(x, self.gate_proj.weight, self.up_proj.weight)
-            return linear_group(hidden, [self.down_proj.weight])[0]
+            return self._decode_forward(x)
         gate, up = self.gate_proj(x), self.up_proj(x)
         if self._fused(x) and gate.dtype == up.dtype:
             return self.down_proj(swiglu(gate, up))
@@ -488,9 +487,13 @@ class S2LlamaMLP(LlamaMLP):
         with the same rounding. A module with hooks or a replaced ``forward`` is called as usual, so it sees what it
         would see in Llama."""
         if called_plainly(self) and self._decode_sized(x) and residual.shape == x.shape and residual.dtype == x.dtype:
-            hidden = linear_swiglu(x, self.gate_proj.weight, self.up_proj.weight)
-            return linear_group(hidden, [self.down_proj.weight], residual=residual)[0]
+            return self._decode_forward(x, residual)
         return residual + self(x)
+
+    def _decode_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Two launches: gate, up and SwiGLU in one, down (plus ``residual``, when given) in the other."""
+        hidden = linear_swiglu(x, self.gate_proj.weight, self.up_proj.weight)
+        return linear_group(hidden, [self.down_proj.weight], residual=residual)[0]
 
     def _fused(self, x: torch.Tensor) -> bool:
         return self.config.hidden_act in ("silu", "swish") and use_fused_kernels(self.config.s2_backend, x)
