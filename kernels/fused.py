@@ -6,6 +6,7 @@ elsewhere; the results agree with those functions to rounding (see ``fused_trito
     y = rms_norm(x, weight, eps)                      # LlamaRMSNorm: x [..., N], weight [N]
     y, summed = add_rms_norm(x, residual, weight, eps)  # summed = residual + x; y = rms_norm(summed, weight, eps)
     h = swiglu(gate, up)                              # LlamaMLP's act_fn(gate) * up, act_fn = silu
+    cos, sin = rotary_tables(position_ids, inv_freq, attention_scaling, dtype)  # LlamaRotaryEmbedding's tables
     q, k = rotary_embedding(q, k, cos, sin)           # apply_rotary_pos_emb: q [B, Hq, T, D], k [B, Hk, T, D],
                                                       # cos/sin [B or 1, T, D] (LlamaRotaryEmbedding's output)
     q, k, v = linear_group(x, [w_q, w_k, w_v])        # decode steps (<= 16 tokens, no gradient): x @ w.T each,
@@ -114,7 +115,20 @@ def rotary_embedding(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
             f"rotary_embedding takes q [B, Hq, T, D], k [B, Hk, T, D] with even D and cos/sin [B or 1, T, D] that need "
             f"no gradient; got q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}"
         )
-    return rotary_op(_unit_stride(q), _unit_stride(k), _unit_stride(cos), _unit_stride(sin))
+    # cos and sin contiguous: the kernel indexes both with cos's strides (tables are small, usually already so)
+    return rotary_op(_unit_stride(q), _unit_stride(k), cos.contiguous(), sin.contiguous())
+
+
+def rotary_tables(position_ids: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``LlamaRotaryEmbedding``'s ``(cos, sin)`` ``[B, T, D]`` in ``dtype`` for ``position_ids [B, T]``, in one
+    kernel (transformers launches ~7): angles ``position * inv_freq`` in float32 (``inv_freq`` read as float32, as
+    transformers reads its buffer), cos and sin times ``attention_scaling``. On CUDA the same float32 functions as
+    PyTorch's kernels, so the same bits (tests); in Triton's CPU interpreter NumPy's."""
+    if position_ids.dim() != 2 or position_ids.is_floating_point() or inv_freq.dim() != 1:
+        raise ValueError(f"rotary_tables takes integer position_ids [B, T] and inv_freq [D / 2]; got position_ids "
+                         f"{tuple(position_ids.shape)} {position_ids.dtype}, inv_freq {tuple(inv_freq.shape)}")
+    return rotary_tables_op(position_ids.contiguous(), inv_freq.contiguous(), float(attention_scaling), dtype)
 
 
 def linear_group(x: torch.Tensor, weights: list[torch.Tensor],
@@ -318,6 +332,20 @@ def rotary_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 def _rotary_fake(q, k, cos, sin):
     return (empty_heads_last(q, torch.promote_types(q.dtype, cos.dtype)),
             empty_heads_last(k, torch.promote_types(k.dtype, cos.dtype)))
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::rotary_tables", mutates_args=())
+def rotary_tables_op(position_ids: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    from .fused_triton import rotary_tables_fwd
+
+    return rotary_tables_fwd(position_ids, inv_freq, attention_scaling, dtype)
+
+
+@rotary_tables_op.register_fake
+def _rotary_tables_fake(position_ids, inv_freq, attention_scaling, dtype):
+    shape = (*position_ids.shape, 2 * inv_freq.shape[0])
+    return (position_ids.new_empty(shape, dtype=dtype), position_ids.new_empty(shape, dtype=dtype))
 
 
 @torch.library.custom_op(f"{OP_NAMESPACE}::rotary_backward", mutates_args=())

@@ -11,11 +11,13 @@ launch, and gate and up's with SwiGLU applied. Entry points (launchers, called b
     out = swiglu_fwd(gate, up)                        # silu(gate) * up, any shape (contiguous), one dtype
     dgate, dup = swiglu_bwd(dout, gate, up)
     rotary_apply(q, k, cos, sin, q_out, k_out, backward)   # q [B, Hq, T, D], k [B, Hk, T, D], cos/sin [B|1, T, D]
+    cos, sin = rotary_tables_fwd(position_ids, inv_freq, scaling, dtype)   # LlamaRotaryEmbedding's [B, T, D] tables
     outs = linear_group_fwd(x, [w_q, w_k, w_v])       # x [M <= 16, K] @ each w.T, one launch (decode steps)
     h = linear_swiglu_fwd(x, w_gate, w_up)            # silu(x @ w_gate.T) * (x @ w_up.T)
 
-On Hopper and later GPUs the RMSNorm forward, rotary (both directions) and the decode-sized projections launch with
-programmatic dependent launch (``dependent_launch.py``), waiting for the kernel before them at their start.
+On Hopper and later GPUs the RMSNorm forward, rotary (tables and both directions) and the decode-sized projections
+launch with programmatic dependent launch (``dependent_launch.py``), waiting for the kernel before them at their
+start.
 
 Numerics follow transformers' functions: float32 math, the normalized activations rounded to the input's dtype
 before the weight multiplies them (as ``LlamaRMSNorm`` does), outputs in the dtype PyTorch's type promotion gives.
@@ -251,6 +253,49 @@ def rotary_apply(q, k, cos, sin, q_out, k_out, backward: bool) -> None:
 
 def _bht(x: torch.Tensor) -> tuple[int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2)
+
+
+@triton.jit
+def _rotary_tables_kernel(position_ids, inv_freq, cos_out, sin_out, num_tokens, scaling, HALF: tl.constexpr,
+                          BLOCK_HALF: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+    """``BLOCK_T`` rows of ``LlamaRotaryEmbedding``'s tables: angle = position * inv_freq in float32, cos and sin
+    (libdevice's, as PyTorch's CUDA kernels compute them) times the attention scaling, rounded to the output dtype;
+    the ``HALF`` frequencies fill both halves of a row (transformers' ``cat((freqs, freqs))``)."""
+    wait_for_preceding_kernel(PDL)
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.arange(0, BLOCK_HALF)
+    inside = (tokens < num_tokens)[:, None] & (h < HALF)[None, :]
+    position = tl.load(position_ids + tokens, mask=tokens < num_tokens, other=0).to(tl.float32)
+    angle = position[:, None] * tl.load(inv_freq + h, mask=h < HALF, other=0.0).to(tl.float32)[None, :]
+    rows = tokens.to(tl.int64)[:, None] * (2 * HALF) + h[None, :]
+    _store_table(cos_out + rows, tl.cos(angle) * scaling, inside, HALF)
+    _store_table(sin_out + rows, tl.sin(angle) * scaling, inside, HALF)
+
+
+@triton.jit
+def _store_table(row_ptrs, value, inside, HALF: tl.constexpr):
+    """Both halves of the table rows at ``row_ptrs`` get ``value`` in the table's dtype."""
+    value = value.to(row_ptrs.dtype.element_ty)
+    tl.store(row_ptrs, value, mask=inside)
+    tl.store(row_ptrs + HALF, value, mask=inside)
+
+
+ROTARY_TABLE_TOKENS = 16
+
+
+def rotary_tables_fwd(position_ids: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):
+    """``position_ids`` int ``[B, T]`` (contiguous), ``inv_freq [D / 2]`` (contiguous, any float dtype: read as
+    float32) -> cos, sin ``[B, T, D]`` in ``dtype``."""
+    half = inv_freq.shape[0]
+    cos, sin = (torch.empty(*position_ids.shape, 2 * half, dtype=dtype, device=position_ids.device)
+                for _ in range(2))
+    num_tokens = position_ids.numel()
+    if num_tokens:
+        _rotary_tables_kernel[(triton.cdiv(num_tokens, ROTARY_TABLE_TOKENS),)](
+            position_ids, inv_freq, cos, sin, num_tokens, scaling, HALF=half, BLOCK_HALF=next_power_of_2(half),
+            BLOCK_T=ROTARY_TABLE_TOKENS, num_warps=4, **launch_options(position_ids.device),
+        )
+    return cos, sin
 
 
 # ---------------------------------------------------------------------------------------------- decode-sized linears

@@ -54,12 +54,13 @@ from .kernels.fused import (
     rms_norm,
     rotary_embedding,
     rotary_embedding_fits,
+    rotary_tables,
     swiglu,
     use_fused_kernels,
 )
 from .kernels.interface import AUTOCAST_DEVICE_TYPES, dense_attention, s2_attention
 from .kernels.pattern import S2Pattern, token_mask
-from .static_cache_s2_llama import S2StaticCache
+from .static_cache_s2_llama import LENGTH_DEPENDENT_ROPE_TYPES, S2StaticCache
 
 logger = logging.get_logger(__name__)
 
@@ -444,6 +445,19 @@ def called_plainly(module: nn.Module) -> bool:
     return not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
 
 
+class S2LlamaRotaryEmbedding(LlamaRotaryEmbedding):
+    """``LlamaRotaryEmbedding`` (same buffers, same tables bit for bit), the tables in one kernel on CUDA where the S2
+    kernels run Triton: transformers computes them with ~7 small kernels, ~15 us of a CUDA-graph decode step of the
+    1B hybrid on an H200 (bench/NOTES.md, fifty-second session). The rope types whose frequencies follow the length
+    (``LENGTH_DEPENDENT_ROPE_TYPES``) keep transformers' forward, which updates them."""
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if (x.is_cuda and position_ids.dim() == 2 and self.rope_type not in LENGTH_DEPENDENT_ROPE_TYPES
+                and use_fused_kernels(self.config.s2_backend, x)):
+            return rotary_tables(position_ids, self.inv_freq, self.attention_scaling, x.dtype)
+        return super().forward(x, position_ids)
+
+
 class S2LlamaRMSNorm(LlamaRMSNorm):
     """``LlamaRMSNorm`` (same weight, same function), one fused kernel where the S2 kernels run Triton."""
 
@@ -618,7 +632,7 @@ class S2LlamaModel(S2LlamaPreTrainedModel):
             [S2LlamaDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
         self.norm = S2LlamaRMSNorm(config)
-        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.rotary_emb = S2LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
         warn_uncovered_offsets(config)
 

@@ -16,7 +16,7 @@ from test_modeling import tiny_config
 from test_static_cache import left_padded
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from s2_models import S2LlamaConfig, S2LlamaForCausalLM
 from s2_models.kernels.fused import (
@@ -34,11 +34,14 @@ from s2_models.kernels.fused import (
     rotary_backward_op,
     rotary_embedding,
     rotary_op,
+    rotary_tables,
+    rotary_tables_op,
     swiglu,
     swiglu_backward_op,
     swiglu_op,
     use_fused_kernels,
 )
+from s2_models.modeling_s2_llama import S2LlamaRotaryEmbedding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETER_DTYPES = (torch.float16, torch.float32)
@@ -211,6 +214,84 @@ def test_rotary_promotes_like_pytorch():
     assert_matches_llama(rotary_embedding, llama_rotary, (q, k, angles.cos(), angles.sin()))
 
 
+def test_rotary_takes_cos_and_sin_of_different_strides():
+    """The kernel indexes both tables with one set of strides: a sin viewed out of a larger tensor (its own strides)
+    once gave wrong outputs without an error."""
+    q, k = _projection_heads(1, 3, 2, 8, torch.float32), _projection_heads(1, 3, 2, 8, torch.float32)
+    angles = torch.randn(1, 6, 8, device=DEVICE)
+    cos, sin = angles[:, :3].cos(), angles.sin()[:, ::2]
+    assert cos.stride() != sin.stride()
+    assert_matches_llama(rotary_embedding, llama_rotary, (q, k, cos, sin))
+
+
+def _rope_config(rope_type: str, head_dim: int = 64):
+    parameters = {"rope_type": rope_type, "rope_theta": 500000.0}
+    if rope_type == "llama3":  # Llama 3.2's
+        parameters.update(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192)
+    elif rope_type in ("linear", "yarn"):
+        parameters.update(factor=4.0, original_max_position_embeddings=8192)
+    return S2LlamaConfig(vocab_size=64, hidden_size=4 * head_dim, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=140_000,
+                         rope_parameters=parameters, sparsity="dense")
+
+
+def _transformers_tables(config, positions, dtype, buffer_dtype=torch.float32):
+    """transformers' own rotary module (its buffers cast as ``model.to(buffer_dtype)`` casts them)."""
+    module = LlamaRotaryEmbedding(config).to(positions.device).to(buffer_dtype)
+    return module, module(torch.empty(1, dtype=dtype, device=positions.device), positions)
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+@pytest.mark.parametrize("rope_type", ["default", "llama3", "yarn"])
+def test_rotary_tables_match_transformers(dtype, rope_type):
+    """The tables kernel computes LlamaRotaryEmbedding's tables (yarn: an attention scaling != 1) at positions up to
+    140k, with the frequencies buffer in float32 or cast to bfloat16 by a model's ``.to``. Here NumPy's cos and sin
+    (the interpreter): within 2 ulp of the table dtype; on the GPU (``test_rotary_tables_on_the_gpu``) bit for bit."""
+    positions = torch.randint(0, 140_000, (3, 37), device=DEVICE)
+    positions[0, :5] = torch.tensor([0, 1, 8191, 8192, 139_999])
+    for buffer_dtype in (torch.float32, torch.bfloat16):
+        module, (cos, sin) = _transformers_tables(_rope_config(rope_type), positions, dtype, buffer_dtype)
+        ours = rotary_tables(positions, module.inv_freq, module.attention_scaling, dtype)
+        for expected, got in zip((cos, sin), ours):
+            assert got.dtype == dtype and got.shape == expected.shape == (3, 37, 64)
+            torch.testing.assert_close(got, expected, atol=2 * torch.finfo(dtype).eps, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotary_tables_on_the_gpu(dtype):
+    """On CUDA the S2 model's rotary module gives transformers' tables bit for bit (prompt- and decode-shaped
+    positions, three rope types, frequencies in float32 or bfloat16), through the tables kernel."""
+    for rope_type in ("default", "llama3", "yarn"):
+        config = _rope_config(rope_type)
+        for positions in (torch.randint(0, 140_000, (2, 333), device="cuda"),
+                          torch.tensor([[0], [1], [8191], [8192], [65535], [100_003], [131_071], [139_999]],
+                                       device="cuda")):
+            for buffer_dtype in (torch.float32, torch.bfloat16):
+                _, expected = _transformers_tables(config, positions, dtype, buffer_dtype)
+                ours = S2LlamaRotaryEmbedding(config).cuda().to(buffer_dtype)
+                with _RecordOps() as recorded:
+                    got = ours(torch.empty(1, dtype=dtype, device="cuda"), positions)
+                assert "s2::rotary_tables" in recorded.names
+                assert all(torch.equal(a, b) for a, b in zip(got, expected)), (rope_type, buffer_dtype)
+
+
+def test_rotary_tables_trace_under_compile():
+    """The tables op traces as one node (the compiled decode step of ``generate(compile_config=...)`` runs it)."""
+    positions, inv_freq = torch.randint(0, 9999, (2, 7), device=DEVICE), torch.rand(32, device=DEVICE)
+    tables = lambda p: rotary_tables(p, inv_freq, 0.9, torch.float16)  # noqa: E731
+    compiled = torch.compile(tables, backend="aot_eager", fullgraph=True)(positions)
+    assert all(torch.equal(a, b) for a, b in zip(compiled, tables(positions)))
+
+
+def test_rotary_tables_bad_input():
+    with pytest.raises(ValueError, match=r"rotary_tables takes integer position_ids \[B, T\]"):
+        rotary_tables(torch.arange(5.0)[None], torch.rand(8), 1.0, torch.float32)
+    with pytest.raises(ValueError, match="rotary_tables takes"):
+        rotary_tables(torch.arange(5), torch.rand(8), 1.0, torch.float32)
+
+
 def test_rotary_rejects_shapes_it_does_not_take():
     q, k = torch.randn(1, 2, 5, 16, device=DEVICE), torch.randn(1, 2, 5, 16, device=DEVICE)
     with pytest.raises(ValueError, match="rotary_embedding takes"):
@@ -333,6 +414,8 @@ def test_custom_ops_pass_opcheck():
                            torch.randn(3, 40, device=DEVICE))),
         (linear_swiglu_op, (torch.randn(3, 48, device=DEVICE), torch.randn(40, 48, device=DEVICE),
                             torch.randn(40, 48, device=DEVICE))),
+        (rotary_tables_op, (torch.randint(0, 999, (2, 5), device=DEVICE), torch.rand(8, device=DEVICE), 1.0,
+                            torch.float16)),
     ):
         torch.library.opcheck(op, args)
 
