@@ -122,7 +122,7 @@ def rotary_embedding(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
 def rotary_tables(position_ids: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``LlamaRotaryEmbedding``'s ``(cos, sin)`` ``[B, T, D]`` in ``dtype`` for ``position_ids [B, T]``, in one
-    kernel (transformers launches ~7): angles ``position * inv_freq`` in float32 (``inv_freq`` read as float32, as
+    kernel (transformers launches ~9): angles ``position * inv_freq`` in float32 (``inv_freq`` read as float32, as
     transformers reads its buffer), cos and sin times ``attention_scaling``. On CUDA the same float32 functions as
     PyTorch's kernels, so the same bits (tests); in Triton's CPU interpreter NumPy's."""
     if position_ids.dim() != 2 or position_ids.is_floating_point() or inv_freq.dim() != 1:

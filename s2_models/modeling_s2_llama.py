@@ -447,7 +447,7 @@ def called_plainly(module: nn.Module) -> bool:
 
 class S2LlamaRotaryEmbedding(LlamaRotaryEmbedding):
     """``LlamaRotaryEmbedding`` (same buffers, same tables bit for bit), the tables in one kernel on CUDA where the S2
-    kernels run Triton: transformers computes them with ~7 small kernels, ~15 us of a CUDA-graph decode step of the
+    kernels run Triton: transformers computes them with ~9 small kernels, ~15 us of a CUDA-graph decode step of the
     1B hybrid on an H200 (bench/NOTES.md, fifty-second session). The rope types whose frequencies follow the length
     (``LENGTH_DEPENDENT_ROPE_TYPES``) keep transformers' forward, which updates them."""
 
