@@ -27,6 +27,8 @@ Intermediate roundings of the PyTorch chain that are not part of the function (`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .dependent_launch import launch_options, wait_for_preceding_kernel
@@ -302,26 +304,41 @@ def rotary_tables_fwd(position_ids: torch.Tensor, inv_freq: torch.Tensor, scalin
 # Projections of a decode step (a few tokens) read a whole weight matrix for a handful of rows: memory-bound, and at
 # this size cuBLAS's kernels reach ~1.5 TB/s on an H100 for the 8 MB projections. One launch for q, k and v together,
 # one for gate and up with SwiGLU fused, and down's adds the decoder layer's residual (bench/NOTES.md has the
-# measurements). A program holds all tokens in one
-# 16-row tile (the smallest tl.dot tile): up to 16 tokens (``fused.MAX_DECODE_TOKENS``).
+# measurements). A program holds all tokens in one 16-row tile (the smallest tl.dot tile): up to 16 tokens
+# (``fused.MAX_DECODE_TOKENS``).
+
+
+@dataclass(frozen=True)
+class SkinnyTiles:
+    """Launch shape of the decode-sized projections: weight rows and columns per step, pipeline depth."""
+
+    block_n: int
+    block_k: int
+    stages: int
 
 
 @triton.jit
-def _skinny_tile(x_ptr, w_ptr, tile, M, N, K, stride_xm, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``x [M, K] @ w[cols, :]^T`` for the ``tile``-th ``BLOCK_N`` rows of ``w [N, K]``: ``[16, BLOCK_N]`` float32."""
+def _skinny_tile(x_ptr, w_ptr, w2_ptr, tile, M, N, K, stride_xm, stride_wn, stride_w2n, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIR: tl.constexpr):
+    """``x [M, K] @ w[cols, :]^T`` for the ``tile``-th ``BLOCK_N`` rows of ``w [N, K]``: ``[16, BLOCK_N]`` float32;
+    with ``PAIR`` also ``x @ w2[cols, :]^T`` from the same loop (one pipeline for both weights)."""
     rows = tl.arange(0, 16)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros([16, BLOCK_N], tl.float32)
+    acc2 = tl.zeros([16, BLOCK_N], tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         k_in = (k0 + ks)[None, :] < K
         x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :], mask=(rows[:, None] < M) & k_in,
                     other=0.0)
-        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + (k0 + ks)[None, :],
-                    mask=(cols[:, None] < N) & k_in, other=0.0)
+        w_mask = (cols[:, None] < N) & k_in
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + (k0 + ks)[None, :], mask=w_mask, other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    return acc
+        if PAIR:
+            w2 = tl.load(w2_ptr + cols[:, None].to(tl.int64) * stride_w2n + (k0 + ks)[None, :], mask=w_mask,
+                         other=0.0)
+            acc2 = tl.dot(x, tl.trans(w2), acc2, input_precision=DOT_PRECISION)
+    return acc, acc2
 
 
 @triton.jit
@@ -345,19 +362,23 @@ def _linear_group_kernel(x_ptr, w0, w1, w2, o0, o1, o2, r0, M, N0, N1, N2, K, ti
                          ADD_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     # Programs [0, tiles0) compute o0 = x @ w0^T (+ r0 with ADD_RESIDUAL), [tiles0, tiles01) o1, the rest o2. Only
-    # NUM_WEIGHTS branches are compiled: each holds its own pipeline buffers in shared memory.
+    # NUM_WEIGHTS branches are compiled: each holds its own pipeline buffers in shared memory. (One loop over a weight
+    # selected per program was 3-5% slower for q/k/v on an H200: bench/NOTES.md, fifty-third session.)
     wait_for_preceding_kernel(PDL)
     pid = tl.program_id(0)
     if pid < tiles0:
-        acc = _skinny_tile(x_ptr, w0, pid, M, N0, K, stride_xm, stride_w0, BLOCK_N, BLOCK_K, STAGES, DOT_PRECISION)
+        acc, _ = _skinny_tile(x_ptr, w0, w0, pid, M, N0, K, stride_xm, stride_w0, stride_w0, BLOCK_N, BLOCK_K, STAGES,
+                              DOT_PRECISION, False)
         _store_tile(o0, acc, pid, M, N0, stride_o0, BLOCK_N, r0, stride_r0, ADD_RESIDUAL)
     elif NUM_WEIGHTS == 2 or (NUM_WEIGHTS == 3 and pid < tiles01):
         tile = pid - tiles0
-        acc = _skinny_tile(x_ptr, w1, tile, M, N1, K, stride_xm, stride_w1, BLOCK_N, BLOCK_K, STAGES, DOT_PRECISION)
+        acc, _ = _skinny_tile(x_ptr, w1, w1, tile, M, N1, K, stride_xm, stride_w1, stride_w1, BLOCK_N, BLOCK_K,
+                              STAGES, DOT_PRECISION, False)
         _store_tile(o1, acc, tile, M, N1, stride_o1, BLOCK_N)
     elif NUM_WEIGHTS == 3:
         tile = pid - tiles01
-        acc = _skinny_tile(x_ptr, w2, tile, M, N2, K, stride_xm, stride_w2, BLOCK_N, BLOCK_K, STAGES, DOT_PRECISION)
+        acc, _ = _skinny_tile(x_ptr, w2, w2, tile, M, N2, K, stride_xm, stride_w2, stride_w2, BLOCK_N, BLOCK_K,
+                              STAGES, DOT_PRECISION, False)
         _store_tile(o2, acc, tile, M, N2, stride_o2, BLOCK_N)
 
 
@@ -365,59 +386,81 @@ def _linear_group_kernel(x_ptr, w0, w1, w2, o0, o1, o2, r0, M, N0, N1, N2, K, ti
 def _linear_swiglu_kernel(x_ptr, w_gate, w_up, out_ptr, M, N, K, stride_xm, stride_wg, stride_wu, stride_om,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                           DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    # gate and up from one pipelined loop: two loops one after the other drained and refilled the pipeline between
+    # them (H200: 19.5 -> 18.4 us a layer at 8 tokens; bench/NOTES.md, fifty-third session)
     wait_for_preceding_kernel(PDL)
     tile = tl.program_id(0)
-    gate = _skinny_tile(x_ptr, w_gate, tile, M, N, K, stride_xm, stride_wg, BLOCK_N, BLOCK_K, STAGES, DOT_PRECISION)
-    up = _skinny_tile(x_ptr, w_up, tile, M, N, K, stride_xm, stride_wu, BLOCK_N, BLOCK_K, STAGES, DOT_PRECISION)
+    gate, up = _skinny_tile(x_ptr, w_gate, w_up, tile, M, N, K, stride_xm, stride_wg, stride_wu, BLOCK_N, BLOCK_K,
+                            STAGES, DOT_PRECISION, True)
     _store_tile(out_ptr, gate * tl.sigmoid(gate) * up, tile, M, N, stride_om, BLOCK_N)
 
 
-def _skinny_tiles(x: torch.Tensor, buffered_loops: int, max_stages: int) -> dict:
-    """Tile and pipeline depth of the decode-sized kernels (H100 sweep, bench/NOTES.md): 32 weight rows x 256 columns
-    per step up to K = 4096, 16 x 512 beyond; as many stages (up to ``max_stages``) as fit ~200 KB of shared memory,
-    where Triton keeps ``stages - 1`` buffers of (16 + BLOCK_N) x BLOCK_K elements for each of ``buffered_loops``."""
+def pipeline_bytes(tiles: SkinnyTiles, loops: int, weights_per_loop: int, element_size: int) -> int:
+    """Shared memory a launch shape needs: ``stages - 1`` buffers of 16 rows of x and ``weights_per_loop`` weight
+    tiles for each of ``loops`` pipelined loops (``linear_group``'s compiled branches, one a weight, or
+    ``linear_swiglu``'s one loop over two weights). Triton 3.9 gives each branch its own buffers; Triton 3.6 shared
+    them between the second and third (bench/NOTES.md, fifty-third session), so this is what every version fits."""
+    return (tiles.stages - 1) * loops * (16 + weights_per_loop * tiles.block_n) * tiles.block_k * element_size
+
+
+def _default_skinny_tiles(x: torch.Tensor, loops: int, weights_per_loop: int, max_stages: int) -> SkinnyTiles:
+    """Tile and pipeline depth of the decode-sized kernels (H100 sweep, checked on an H200; bench/NOTES.md): 32
+    weight rows x 256 columns per step up to K = 4096, 16 x 512 beyond, or half as many columns where that fits more
+    stages (up to ``max_stages``) in ~200 KB of shared memory (``pipeline_bytes``)."""
     block_n, block_k = (32, 256) if x.shape[1] <= 4096 else (16, 512)
-    stage_bytes = buffered_loops * (16 + block_n) * block_k * x.element_size()
-    stages = max(2, min(max_stages, 1 + (200 * 1024) // stage_bytes))
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=4)
+
+    def deepest(tiles: SkinnyTiles) -> SkinnyTiles:
+        while tiles.stages > 2 and pipeline_bytes(tiles, loops, weights_per_loop, x.element_size()) > 200 * 1024:
+            tiles = SkinnyTiles(tiles.block_n, tiles.block_k, tiles.stages - 1)
+        return tiles
+
+    wide, narrow = (deepest(SkinnyTiles(block_n, k_step, max_stages)) for k_step in (block_k, block_k // 2))
+    return narrow if narrow.stages > wide.stages else wide
+
+
+def _launch_config(x: torch.Tensor, tiles: SkinnyTiles) -> dict:
+    return dict(BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, STAGES=tiles.stages, DOT_PRECISION=_dot_precision(x),
+                num_warps=4, **launch_options(x.device))
 
 
 def _dot_precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"  # ignored for 16-bit inputs
 
 
-def linear_group_fwd(x: torch.Tensor, weights: list[torch.Tensor],
-                     residual: torch.Tensor | None = None) -> list[torch.Tensor]:
+def linear_group_fwd(x: torch.Tensor, weights: list[torch.Tensor], residual: torch.Tensor | None = None,
+                     tiles: SkinnyTiles | None = None) -> list[torch.Tensor]:
     """``[x @ w.T for w in weights]`` (1 to 3 weights ``[N_i, K]``, unit column stride; x ``[M <= 16, K]``); with
-    ``residual [M, N_0]`` (unit column stride), the first output is ``residual + x @ w_0.T`` (``_store_tile``)."""
+    ``residual [M, N_0]`` (unit column stride, one weight), the output is ``residual + x @ w_0.T`` (``_store_tile``).
+    ``tiles`` overrides the default launch shape (``bench/projection_ab.py`` sweeps it)."""
     m, k = x.shape
     outs = [x.new_empty((m, w.shape[0])) for w in weights]
-    tiles_config = _skinny_tiles(x, buffered_loops=min(len(weights), 2), max_stages=5)
-    tiles = [triton.cdiv(w.shape[0], tiles_config["BLOCK_N"]) for w in weights]
+    tiles = tiles or _default_skinny_tiles(x, loops=len(weights), weights_per_loop=1, max_stages=5)
+    num_tiles = [triton.cdiv(w.shape[0], tiles.block_n) for w in weights]
     # Three slots: unused ones repeat the first weight (their branches are not compiled).
     slot_weights = [*weights, *[weights[0]] * (3 - len(weights))]
     slot_outs = [*outs, *[outs[0]] * (3 - len(outs))]
     if m:
-        _linear_group_kernel[(sum(tiles),)](
+        _linear_group_kernel[(sum(num_tiles),)](
             x, *slot_weights, *slot_outs, outs[0] if residual is None else residual, m,  # (unread without one)
-            *(w.shape[0] for w in slot_weights), k, tiles[0], sum(tiles[:2]), x.stride(0),
+            *(w.shape[0] for w in slot_weights), k, num_tiles[0], sum(num_tiles[:2]), x.stride(0),
             *(w.stride(0) for w in slot_weights), *(o.stride(0) for o in slot_outs),
             0 if residual is None else residual.stride(0), NUM_WEIGHTS=len(weights),
-            ADD_RESIDUAL=residual is not None, DOT_PRECISION=_dot_precision(x), **tiles_config,
-            **launch_options(x.device),
+            ADD_RESIDUAL=residual is not None, **_launch_config(x, tiles),
         )
     return outs
 
 
-def linear_swiglu_fwd(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
-    """``silu(x @ w_gate.T) * (x @ w_up.T)`` (x ``[M <= 16, K]``, weights ``[N, K]``)."""
+def linear_swiglu_fwd(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                      tiles: SkinnyTiles | None = None) -> torch.Tensor:
+    """``silu(x @ w_gate.T) * (x @ w_up.T)`` (x ``[M <= 16, K]``, weights ``[N, K]``); ``tiles`` as in
+    ``linear_group_fwd``."""
     m, k = x.shape
     n = w_gate.shape[0]
     out = x.new_empty((m, n))
-    tiles_config = _skinny_tiles(x, buffered_loops=2, max_stages=3)
+    tiles = tiles or _default_skinny_tiles(x, loops=1, weights_per_loop=2, max_stages=3)
     if m:
-        _linear_swiglu_kernel[(triton.cdiv(n, tiles_config["BLOCK_N"]),)](
+        _linear_swiglu_kernel[(triton.cdiv(n, tiles.block_n),)](
             x, w_gate, w_up, out, m, n, k, x.stride(0), w_gate.stride(0), w_up.stride(0), out.stride(0),
-            DOT_PRECISION=_dot_precision(x), **tiles_config, **launch_options(x.device),
+            **_launch_config(x, tiles),
         )
     return out

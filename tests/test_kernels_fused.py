@@ -7,7 +7,10 @@ the GPU test bfloat16 at the 1B model's sizes.
 
 from __future__ import annotations
 
+import collections
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -423,10 +426,14 @@ def test_custom_ops_pass_opcheck():
 class _RecordOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self.names = set()
+        self.calls = []
+
+    @property
+    def names(self) -> set[str]:
+        return set(self.calls)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(func.name())
+        self.calls.append(func.name())
         return func(*args, **(kwargs or {}))
 
 
@@ -462,17 +469,21 @@ def test_model_runs_the_fused_kernels_only_where_triton_runs():
 
 
 def test_generation_runs_the_decode_projections():
-    """Greedy generation with the Triton backend runs q/k/v and gate/up/down of every decode step as the fused
-    launches and gives the tokens of transformers' Llama code."""
+    """Greedy generation with the Triton backend runs the projections of every decode step as the fused launches
+    (per layer: q/k/v, gate/up with SwiGLU, down with the residual; o_proj stays on ``nn.Linear``, bench/NOTES.md,
+    fifty-third session) and gives the tokens of transformers' Llama code. The 20-token prompt is longer than
+    ``MAX_DECODE_TOKENS``: its forward keeps ``nn.Linear``."""
     ids = torch.randint(0, 64, (2, 20), device=DEVICE)
     tokens, recorded_ops = {}, {}
     for backend in ("triton", "torch"):
         model = _tiny_model(backend).eval()
         with _RecordOps() as recorded:
             tokens[backend] = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
-        recorded_ops[backend] = {name for name in recorded.names if "linear_" in name}
-    assert {name.split("::")[1] for name in recorded_ops["triton"]} == {"linear_group", "linear_swiglu"}
-    assert recorded_ops["torch"] == set()
+        recorded_ops[backend] = collections.Counter(name.split("::")[1] for name in recorded.calls
+                                                    if "linear_" in name)
+    decode_layer_steps = 5 * 2  # the 5 one-token forwards after the prompt's, 2 layers
+    assert recorded_ops["triton"] == {"linear_group": 2 * decode_layer_steps, "linear_swiglu": decode_layer_steps}
+    assert recorded_ops["torch"] == {}
     assert torch.equal(tokens["triton"], tokens["torch"])
 
 
@@ -574,3 +585,28 @@ def test_fused_kernels_on_the_gpu_at_model_sizes(dtype):
     with torch.no_grad():  # the decoder layer's closing add in down's launch: PyTorch's sum, bit for bit
         assert torch.equal(linear_group(hidden, [down], residual=residual)[0],
                            residual + linear_group(hidden, [down])[0])
+
+
+@pytest.mark.gpu
+def test_decode_projection_launch_shapes_on_the_gpu():
+    """Every launch shape ``bench/projection_ab.py`` sweeps, with odd output widths and K, 1 to 16 tokens: within
+    tolerance of PyTorch in float64."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from projection_ab import sweep_tiles
+
+    from s2_models.kernels.fused_triton import linear_group_fwd, linear_swiglu_fwd
+
+    width = 2049
+    weights = [torch.randn(n, width, device="cuda", dtype=torch.bfloat16) / 45 for n in (333, 40, 72)]
+
+    def reference_swiglu(x_, wg, wu):
+        return llama_swiglu(torch.nn.functional.linear(x_, wg), torch.nn.functional.linear(x_, wu))
+
+    for tokens in (1, 8, MAX_DECODE_TOKENS):
+        x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+        for tiles in sweep_tiles(width, loops=3, weights_per_loop=1):
+            assert_matches_llama(lambda x_, *ws, t=tiles: tuple(linear_group_fwd(x_, list(ws), tiles=t)),
+                                 lambda x_, *ws: tuple(torch.nn.functional.linear(x_, w) for w in ws), (x, *weights))
+        for tiles in sweep_tiles(width, loops=1, weights_per_loop=2):
+            assert_matches_llama(lambda x_, wg, wu, t=tiles: linear_swiglu_fwd(x_, wg, wu, tiles=t), reference_swiglu,
+                                 (x, weights[0], weights[0].flip(0)))
