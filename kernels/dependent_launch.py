@@ -20,9 +20,9 @@ set-up overlap as much of them as possible. The cache append lets the decode ker
 end. Measured on an H200 (the 1B hybrid's decode step at 8 x 32k as a CUDA graph; bench/NOTES.md, fifty-first
 session): with the append as one program a batch row that also advances the row lengths, letting the decode
 kernel launch at the append's start made the sparse layers' decode launches 18.6 -> 23.0 us (median) and the step
-slower than with a separate length add; at the append's end, 18.6 us and the step 1.45 -> 1.41 ms. Likely why (not
-profiled further): the decode kernel's ~128 programs at batch 8 are about one an SM and stay where they are first
-placed; placed while the append's programs still run, some SMs get two.
+slower than with a separate length add; at the append's end, 18.6 us and the step 1.45 -> 1.41 ms. Why is not
+known: the batch-8 decode launch loses the same ~4 us with a PDL-launched o_proj waiting behind it, even one whose
+shared memory keeps it off the decode kernel's SMs (fifty-third session), so it is not two programs sharing an SM.
 
 ``S2_ATTENTION_PDL=0`` launches every kernel the ordinary way.
 """
