@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import collections
 import copy
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -389,6 +391,48 @@ def test_decode_projections_reject_what_they_cannot_take():
                               ([w], torch.randn(2, 8, device=DEVICE).double())):
         with pytest.raises(ValueError, match=r"residual must come with one weight and be \[2, 8\]"):
             linear_group(x, weights, residual=residual)
+
+
+_COMPILE_DEFAULT_PROJECTIONS = """
+import sys
+import torch
+sys.path.insert(0, "bench")
+from hopper_fwd_offline import _CompileOnlyDriver
+from triton.runtime import driver
+driver.set_active(_CompileOnlyDriver())
+from s2_models.kernels import fused_triton
+fused_triton.launch_options = lambda device: {"PDL": True, "launch_pdl": True}
+shared = []
+for name in ("_linear_group_kernel", "_linear_swiglu_kernel"):
+    kernel = getattr(fused_triton, name)
+    class Warmup:
+        def __getitem__(self, grid, kernel=kernel, name=name):
+            return lambda *a, **kw: shared.append((name, kw.get("NUM_WEIGHTS"), str(a[0].dtype), kw["BLOCK_N"],
+                                                   kw["BLOCK_K"], kw["STAGES"],
+                                                   kernel.warmup(*a, grid=grid, **kw).metadata.shared))
+    setattr(fused_triton, name, Warmup())
+for dtype in (torch.bfloat16, torch.float32):
+    for k in (2048, 8192):
+        x = torch.empty(8, k, dtype=dtype)
+        for n in (1, 2, 3):
+            fused_triton.linear_group_fwd(x, [torch.empty(64, k, dtype=dtype)] * n)
+        fused_triton.linear_swiglu_fwd(x, torch.empty(64, k, dtype=dtype), torch.empty(64, k, dtype=dtype))
+print(repr(shared))
+"""
+
+
+def test_default_projection_shapes_fit_hopper_shared_memory():
+    """The decode projections' default launch shapes, compiled for sm_90 by the installed Triton (offline, no GPU):
+    each fits the 227 KB a Hopper program may use. Triton 3.9 gives each of ``linear_group``'s weight branches its own
+    pipeline buffers, so q/k/v at 5 stages of 32 x 256 asked 288 KB there and could not launch (fifty-third
+    session); ``pipeline_bytes`` now counts them."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _COMPILE_DEFAULT_PROJECTIONS], capture_output=True, text=True,
+                            env=env, cwd=Path(__file__).resolve().parents[1], timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    launches = eval(result.stdout.strip().splitlines()[-1])  # noqa: S307 (our own subprocess's repr)
+    assert len(launches) == 16
+    assert all(shared <= 232448 for *_, shared in launches), launches
 
 
 # ---------------------------------------------------------------------------------------------- the ops
