@@ -56,7 +56,7 @@ from .dependent_launch import (
 )
 from .layouts import CompactLayout
 from .triton_impl import row_mask
-from .triton_setup import next_power_of_2, tl, triton
+from .triton_setup import launch_within_shared_memory, next_power_of_2, tl, triton
 
 LOG2E = math.log2(math.e)
 
@@ -433,7 +433,8 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
         split_counters = torch.empty(0, dtype=torch.int32, device=q.device)
     num_heads = layout.num_pattern_heads
     grid = (num_splits, num_row_tiles, b * hkv)
-    s2_decode_fwd_kernel[grid](
+    launch = functools.partial(
+        s2_decode_fwd_kernel[grid],
         q, k_cache, v_cache, seq_lens, tables.residues, tables.rank, tables.counts, out, partial, lse, split_counters,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         *_contiguous_strides(partial_shape)[:-1], *_contiguous_strides(partial_shape[:-1]),
@@ -445,8 +446,10 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
         next_power_of_2(pattern.vert_stride),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(q.device),
+        num_warps=tiles.num_warps, **launch_options(q.device),
     )
+    variant = ("decode", q.device, q.dtype, d, block_m, block_n, tiles.num_warps, tiles.num_stages)
+    launch_within_shared_memory(launch, tiles.num_stages, key=variant)
     return out
 
 

@@ -27,12 +27,13 @@ Intermediate roundings of the PyTorch chain that are not part of the function (`
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from .dependent_launch import launch_options, wait_for_preceding_kernel
-from .triton_setup import next_power_of_2, tl, triton
+from .triton_setup import launch_within_shared_memory, next_power_of_2, tl, triton
 
 
 def _row_warps(block: int) -> int:
@@ -419,8 +420,16 @@ def _default_skinny_tiles(x: torch.Tensor, loops: int, weights_per_loop: int, ma
 
 
 def _launch_config(x: torch.Tensor, tiles: SkinnyTiles) -> dict:
-    return dict(BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, STAGES=tiles.stages, DOT_PRECISION=_dot_precision(x),
-                num_warps=4, **launch_options(x.device))
+    """The kernels' keywords but ``STAGES``, which ``_launch_fitted`` passes."""
+    return dict(BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=_dot_precision(x), num_warps=4,
+                **launch_options(x.device))
+
+
+def _launch_fitted(launch, x: torch.Tensor, tiles: SkinnyTiles, kernel: tuple) -> None:
+    """``launch`` at ``tiles.stages``, or fewer where a GPU's shared memory holds fewer than ``pipeline_bytes``
+    budgets (less than Hopper's 227 KB a program, or another Triton's allocation)."""
+    key = (*kernel, x.device, x.dtype, tiles)
+    launch_within_shared_memory(lambda num_stages: launch(STAGES=num_stages), tiles.stages, key)
 
 
 def _dot_precision(x: torch.Tensor) -> str:
@@ -440,13 +449,15 @@ def linear_group_fwd(x: torch.Tensor, weights: list[torch.Tensor], residual: tor
     slot_weights = [*weights, *[weights[0]] * (3 - len(weights))]
     slot_outs = [*outs, *[outs[0]] * (3 - len(outs))]
     if m:
-        _linear_group_kernel[(sum(num_tiles),)](
+        launch = functools.partial(
+            _linear_group_kernel[(sum(num_tiles),)],
             x, *slot_weights, *slot_outs, outs[0] if residual is None else residual, m,  # (unread without one)
             *(w.shape[0] for w in slot_weights), k, num_tiles[0], sum(num_tiles[:2]), x.stride(0),
             *(w.stride(0) for w in slot_weights), *(o.stride(0) for o in slot_outs),
             0 if residual is None else residual.stride(0), NUM_WEIGHTS=len(weights),
             ADD_RESIDUAL=residual is not None, **_launch_config(x, tiles),
         )
+        _launch_fitted(launch, x, tiles, ("linear_group", len(weights)))
     return outs
 
 
@@ -459,8 +470,10 @@ def linear_swiglu_fwd(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     out = x.new_empty((m, n))
     tiles = tiles or _default_skinny_tiles(x, loops=1, weights_per_loop=2, max_stages=3)
     if m:
-        _linear_swiglu_kernel[(triton.cdiv(n, tiles.block_n),)](
+        launch = functools.partial(
+            _linear_swiglu_kernel[(triton.cdiv(n, tiles.block_n),)],
             x, w_gate, w_up, out, m, n, k, x.stride(0), w_gate.stride(0), w_up.stride(0), out.stride(0),
             **_launch_config(x, tiles),
         )
+        _launch_fitted(launch, x, tiles, ("linear_swiglu",))
     return out

@@ -49,4 +49,28 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-__all__ = ["next_power_of_2", "tl", "triton"]
+_STAGES_THAT_FIT: dict[tuple, int] = {}
+
+
+def launch_within_shared_memory(launch, num_stages: int, key: tuple) -> None:
+    """``launch(num_stages=s)`` with the deepest software pipeline ``s <= num_stages`` whose compiled kernel fits the
+    GPU's shared memory. What a stage takes depends on the Triton version and on shapes a launcher's defaults were
+    not tuned at (the decode kernel at 3 stages: ~290-350 KB in float32 with head dim 128, 256 KB in bf16 with head
+    dim 256, where a Hopper program may use 227 KB; bench/NOTES.md, fifty-third session). Triton reports it when the
+    launch is prepared, before anything runs (``OutOfResources``); the next shallower pipeline is then tried, and the
+    depth that fits is remembered under ``key`` (what fixes the compiled variant's shared memory)."""
+    stages = _STAGES_THAT_FIT.get(key, num_stages)
+    while True:
+        try:
+            launch(num_stages=stages)
+        except triton.runtime.errors.OutOfResources:
+            if stages == 1:
+                raise
+            stages -= 1
+            continue
+        if stages != num_stages:
+            _STAGES_THAT_FIT[key] = stages
+        return
+
+
+__all__ = ["launch_within_shared_memory", "next_power_of_2", "tl", "triton"]

@@ -204,6 +204,52 @@ def test_triton_on_gpu(dtype, tq):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype, d", [(torch.float32, 128), (torch.float32, 256), (torch.bfloat16, 256)])
+@pytest.mark.parametrize("tq", [1, 6, 64])
+def test_triton_on_gpu_where_the_default_pipeline_does_not_fit(dtype, d, tq):
+    """Head dims and dtypes whose 3-stage decode kernel asks more shared memory than a Hopper program has (290-700
+    KB): the launcher takes a shallower pipeline (``launch_within_shared_memory``) and the outputs stay PyTorch's."""
+    pattern = S2Pattern(block_size=64, local_blocks=4, vert_stride=8)
+    b, hkv, group, t = 2, 2, 4, 3000
+    q = torch.randn(b, hkv * group, tq, d, dtype=dtype)
+    k, v = (torch.randn(b, hkv, t, d, dtype=dtype) for _ in range(2))
+    seq_lens = torch.tensor([t, t - 777])
+    layout = CompactLayout(pattern, hkv * group, hkv, ring_blocks_for(pattern, tq))
+    kc, num_ring = compact_cache(k, seq_lens, layout)
+    vc, _ = compact_cache(v, seq_lens, layout)
+    args = [x.cuda() for x in (q, kc, vc, seq_lens)]
+    expected = s2_decode_attention(*args, layout, num_ring_slots=num_ring, backend="torch")
+    out = s2_decode_attention(*args, layout, num_ring_slots=num_ring, backend="triton")
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_a_launch_takes_the_deepest_pipeline_that_fits(monkeypatch):
+    """``launch_within_shared_memory``: a launch that Triton refuses for its shared memory is retried with one stage
+    fewer until one fits; the depth found is reused for the same key, and a launch that fits nowhere raises."""
+    from triton.runtime.errors import OutOfResources
+
+    from s2_models.kernels import triton_setup
+
+    monkeypatch.setattr(triton_setup, "_STAGES_THAT_FIT", {})
+    tried = []
+
+    def launch(num_stages, fits=2):
+        tried.append(num_stages)
+        if num_stages > fits:
+            raise OutOfResources(num_stages * 100_000, 232_448, "shared memory")
+
+    triton_setup.launch_within_shared_memory(launch, 4, key="a")
+    triton_setup.launch_within_shared_memory(launch, 4, key="a")
+    assert tried == [4, 3, 2, 2]
+    with pytest.raises(OutOfResources):
+        triton_setup.launch_within_shared_memory(lambda num_stages: launch(num_stages, fits=0), 3, key="b")
+    tried.clear()
+    triton_setup.launch_within_shared_memory(launch, 2, key="c")  # fits at once: nothing remembered
+    assert tried == [2] and "c" not in triton_setup._STAGES_THAT_FIT
+
+
+@pytest.mark.gpu
 def test_dependent_launches_read_what_the_kernel_before_wrote(monkeypatch):
     """With programmatic dependent launch (Hopper and later) the append and decode kernels may start before the
     kernel ahead of them has finished, and must still read its writes. A CUDA graph of decode steps (the new
