@@ -189,18 +189,23 @@ def test_split_merge_across_programs_on_gpu(num_splits):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tq", [1, 2, 6, 64])  # rows: 4, 8 (keys on M), 24 (two 16-row tiles), 256 (64-row tiles)
 def test_triton_on_gpu(dtype, tq):
+    _check_triton_on_gpu(dtype, tq, d=128, hkv=4, t=5000, seq_lens=[5000, 5000 - 777, tq], tolerance=2e-2)
+
+
+def _check_triton_on_gpu(dtype, tq, d, hkv, t, seq_lens, tolerance):
+    """The Triton decode kernel against the PyTorch path on compact caches of random K/V (groups of 4 query heads)."""
     pattern = S2Pattern(block_size=64, local_blocks=4, vert_stride=8)
-    b, hkv, group, d, t = 3, 4, 4, 128, 5000
+    b, group = len(seq_lens), 4
     q = torch.randn(b, hkv * group, tq, d, dtype=dtype)
     k, v = (torch.randn(b, hkv, t, d, dtype=dtype) for _ in range(2))
-    seq_lens = torch.tensor([t, t - 777, tq])
+    seq_lens = torch.tensor(seq_lens)
     layout = CompactLayout(pattern, hkv * group, hkv, ring_blocks_for(pattern, tq))
     kc, num_ring = compact_cache(k, seq_lens, layout)
     vc, _ = compact_cache(v, seq_lens, layout)
     args = [x.cuda() for x in (q, kc, vc, seq_lens)]
     expected = s2_decode_attention(*args, layout, num_ring_slots=num_ring, backend="torch")
     out = s2_decode_attention(*args, layout, num_ring_slots=num_ring, backend="triton")
-    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.gpu
@@ -209,19 +214,8 @@ def test_triton_on_gpu(dtype, tq):
 def test_triton_on_gpu_where_the_default_pipeline_does_not_fit(dtype, d, tq):
     """Head dims and dtypes whose 3-stage decode kernel asks more shared memory than a Hopper program has (290-700
     KB): the launcher takes a shallower pipeline (``launch_within_shared_memory``) and the outputs stay PyTorch's."""
-    pattern = S2Pattern(block_size=64, local_blocks=4, vert_stride=8)
-    b, hkv, group, t = 2, 2, 4, 3000
-    q = torch.randn(b, hkv * group, tq, d, dtype=dtype)
-    k, v = (torch.randn(b, hkv, t, d, dtype=dtype) for _ in range(2))
-    seq_lens = torch.tensor([t, t - 777])
-    layout = CompactLayout(pattern, hkv * group, hkv, ring_blocks_for(pattern, tq))
-    kc, num_ring = compact_cache(k, seq_lens, layout)
-    vc, _ = compact_cache(v, seq_lens, layout)
-    args = [x.cuda() for x in (q, kc, vc, seq_lens)]
-    expected = s2_decode_attention(*args, layout, num_ring_slots=num_ring, backend="torch")
-    out = s2_decode_attention(*args, layout, num_ring_slots=num_ring, backend="triton")
-    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    _check_triton_on_gpu(dtype, tq, d, hkv=2, t=3000, seq_lens=[3000, 3000 - 777],
+                         tolerance=2e-2 if dtype == torch.bfloat16 else 1e-4)
 
 
 def test_a_launch_takes_the_deepest_pipeline_that_fits(monkeypatch):
