@@ -1,6 +1,10 @@
 """The decode / chunked-prefill op over the compact cache: PyTorch path vs the fp64 reference, Triton vs PyTorch."""
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,6 +220,54 @@ def test_triton_on_gpu_where_the_default_pipeline_does_not_fit(dtype, d, tq):
     KB): the launcher takes a shallower pipeline (``launch_within_shared_memory``) and the outputs stay PyTorch's."""
     _check_triton_on_gpu(dtype, tq, d, hkv=2, t=3000, seq_lens=[3000, 3000 - 777],
                          tolerance=2e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+_COMPILE_DECODE_VARIANTS = """
+import sys
+import torch
+sys.path.insert(0, "bench")
+from hopper_fwd_offline import _CompileOnlyDriver
+from triton.runtime import driver
+driver.set_active(_CompileOnlyDriver())
+from s2_models.kernels import decode_triton
+from s2_models.kernels.decode import CompactLayout, ring_blocks_for
+from s2_models.kernels.pattern import S2Pattern
+decode_triton.launch_options = lambda device: {"PDL": True, "launch_pdl": True}
+kernel, shared = decode_triton.s2_decode_fwd_kernel, []
+class Warmup:
+    def __getitem__(self, grid):
+        return lambda *a, **kw: shared.append(kernel.warmup(*a, grid=grid, **kw).metadata.shared)
+decode_triton.s2_decode_fwd_kernel = Warmup()
+pattern = S2Pattern(block_size=64, local_blocks=16, vert_stride=16)
+layout = CompactLayout(pattern, 32, 8, ring_blocks_for(pattern, 1))
+rows = []
+# (head dim, dtype, tiles): the default launch shape where it was tuned, and a depth the launcher can fall back to
+# elsewhere
+for d, dtype, tiles in ((64, torch.bfloat16, decode_triton.DecodeTiles()),
+                        (128, torch.bfloat16, decode_triton.DecodeTiles()),
+                        (128, torch.float32, decode_triton.DecodeTiles(num_stages=2)),
+                        (256, torch.bfloat16, decode_triton.DecodeTiles(num_stages=1))):
+    cache = torch.empty(2, 8, 64 * 64, d, dtype=dtype)
+    for tq in (1, 4, 16):  # 8-, 16- and 64-row tiles
+        q = torch.empty(2, 32, tq, d, dtype=dtype)
+        decode_triton.decode_attention_triton(q, cache, cache.clone(), torch.full((2,), 4000), layout, 16, 0.1, 2,
+                                              tiles=tiles)
+        rows.append((d, str(dtype).split(".")[1], tq, tiles.num_stages, shared[-1]))
+print(repr(rows))
+"""
+
+
+def test_decode_pipelines_fit_hopper_shared_memory():
+    """The decode kernel compiled for sm_90 by the installed Triton (offline, no GPU), each row tile: 16-bit caches up
+    to head dim 128 fit the 227 KB of a Hopper program at the default launch shape (what was tuned and measured), and
+    float32 at head dim 128 and bf16 at 256, which do not (bench/NOTES.md, fifty-third session), fit at a shallower
+    pipeline (2 stages, 1), which ``launch_within_shared_memory`` falls back to."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _COMPILE_DECODE_VARIANTS], capture_output=True, text=True,
+                            env=env, cwd=Path(__file__).resolve().parents[1], timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = eval(result.stdout.strip().splitlines()[-1])  # noqa: S307 (our own subprocess's repr)
+    assert len(rows) == 12 and all(shared <= 232448 for *_, shared in rows), rows
 
 
 def test_a_launch_takes_the_deepest_pipeline_that_fits(monkeypatch):
