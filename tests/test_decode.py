@@ -295,6 +295,62 @@ def test_a_launch_takes_the_deepest_pipeline_that_fits(monkeypatch):
     assert tried == [2] and "c" not in triton_setup._STAGES_THAT_FIT
 
 
+class _RefusesDeepPipelines:
+    """Stands in for a Triton kernel on a GPU whose shared memory holds only ``fits`` pipeline stages: deeper launches
+    raise ``OutOfResources`` as Triton does when it prepares them; the others run the real kernel. ``stage_keyword``:
+    the launch keyword that sets the depth."""
+
+    def __init__(self, kernel, fits: int, stage_keyword: str):
+        self.kernel, self.fits, self.stage_keyword, self.depths = kernel, fits, stage_keyword, []
+
+    def __getitem__(self, grid):
+        from triton.runtime.errors import OutOfResources
+
+        def launch(*args, **kwargs):
+            self.depths.append(kwargs[self.stage_keyword])
+            if kwargs[self.stage_keyword] > self.fits:
+                raise OutOfResources(300_000, 232_448, "shared memory")
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def test_the_decode_launcher_falls_back_to_a_pipeline_that_fits(monkeypatch):
+    """``decode_attention_triton`` launches through ``launch_within_shared_memory``: on a GPU that refuses its 3-stage
+    pipeline it runs at the deepest one that fits, with the same outputs, and does not try the refused depth again."""
+    from s2_models.kernels import triton_setup
+
+    monkeypatch.setattr(triton_setup, "_STAGES_THAT_FIT", {})
+    pattern = S2Pattern(block_size=16, local_blocks=2, vert_stride=3)
+    layout = CompactLayout(pattern, 4, 2, ring_blocks=2)
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 1, 32, generator=generator)
+    k, v = (torch.randn(2, 2, 6 * 16, 32, generator=generator) for _ in range(2))
+    seq_lens = torch.tensor([90, 61], dtype=torch.int32)
+    expected = decode_triton.decode_attention_triton(q, k, v, seq_lens, layout, 2, 0.2, 2)
+    refusing = _RefusesDeepPipelines(decode_triton.s2_decode_fwd_kernel, fits=1, stage_keyword="num_stages")
+    monkeypatch.setattr(decode_triton, "s2_decode_fwd_kernel", refusing)
+    for _ in range(2):
+        assert torch.equal(decode_triton.decode_attention_triton(q, k, v, seq_lens, layout, 2, 0.2, 2), expected)
+    assert refusing.depths == [3, 2, 1, 1]
+
+
+def test_the_projection_launchers_fall_back_to_a_pipeline_that_fits(monkeypatch):
+    """The decode projections launch the same way (``STAGES`` is their depth)."""
+    from s2_models.kernels import fused_triton, triton_setup
+
+    monkeypatch.setattr(triton_setup, "_STAGES_THAT_FIT", {})
+    x, w = torch.randn(3, 64), torch.randn(40, 64) / 8
+    tiles = fused_triton.SkinnyTiles(16, 32, 3)
+    expected = (fused_triton.linear_group_fwd(x, [w, w], tiles=tiles),
+                fused_triton.linear_swiglu_fwd(x, w, w.flip(0), tiles=tiles))
+    for name in ("_linear_group_kernel", "_linear_swiglu_kernel"):
+        monkeypatch.setattr(fused_triton, name, _RefusesDeepPipelines(getattr(fused_triton, name), 2, "STAGES"))
+    outs = fused_triton.linear_group_fwd(x, [w, w], tiles=tiles)
+    assert all(torch.equal(a, b) for a, b in zip(outs, expected[0]))
+    assert torch.equal(fused_triton.linear_swiglu_fwd(x, w, w.flip(0), tiles=tiles), expected[1])
+    assert fused_triton._linear_group_kernel.depths == [3, 2] and fused_triton._linear_swiglu_kernel.depths == [3, 2]
+
+
 @pytest.mark.gpu
 def test_dependent_launches_read_what_the_kernel_before_wrote(monkeypatch):
     """With programmatic dependent launch (Hopper and later) the append and decode kernels may start before the
