@@ -21,9 +21,10 @@ end. Measured on an H200 (the 1B hybrid's decode step at 8 x 32k as a CUDA graph
 session): with the append as one program a batch row that also advances the row lengths, letting the decode
 kernel launch at the append's start made the sparse layers' decode launches 18.6 -> 23.0 us (median) and the step
 slower than with a separate length add; at the append's end, 18.6 us and the step 1.45 -> 1.41 ms. The batch-8
-decode launch is as slow with any PDL-launched kernel after it, even one program that only waits (the step +104 us,
-fifty-fourth session), and also when it lets that kernel launch only at its end: so the kernel after it (o_proj,
-cuBLAS's) launches the ordinary way. Why the programmatic edge costs it is not known (bench/NOTES.md).
+decode launches take ~23 us too with a PDL-launched o_proj behind them, also when the decode kernel lets it launch
+only at its end; and a PDL kernel of one program that only waits, placed behind the decode kernel, costs the step as
+much (+104 us; fifty-fourth session). So the kernel after the decode kernel (o_proj, cuBLAS's) launches the ordinary
+way. Why a programmatic edge there costs this is not known (bench/NOTES.md).
 
 ``S2_ATTENTION_PDL=0`` launches every kernel the ordinary way.
 """
