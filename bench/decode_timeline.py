@@ -39,6 +39,10 @@ def _stamp(trace, index, dep):
 
 
 '''
+ALLOCATE_TRACE = ("    grid = (num_splits, num_row_tiles, b * hkv)\n",
+                  "    global TRACE\n"
+                  "    TRACE = torch.full((num_splits * num_row_tiles * b * hkv, 8), -1, dtype=torch.int64,"
+                  " device=q.device)\n")
 # (anchor in the kernel's source, text inserted after it; or before it where the text ends the anchor's tuple)
 PATCHES = [
     ("    q, k_cache, v_cache, seq_lens, residues, ranks, counts, out, partial, lse, split_counters,", " trace,"),
@@ -55,9 +59,7 @@ PATCHES = [
      "        _stamp(trace_row, 3, arrived)\n"),
     ("            tl.store(o_ptrs, result.to(out.dtype.element_ty), mask=o_mask)\n",
      "            _stamp(trace_row, 4, (tl.sum(total, 0) > -1.0).to(tl.int32))\n"),
-    ("    grid = (num_splits, num_row_tiles, b * hkv)\n",
-     "    global TRACE\n"
-     "    TRACE = torch.full((num_splits * num_row_tiles * b * hkv, 8), -1, dtype=torch.int64, device=q.device)\n"),
+    ALLOCATE_TRACE,
     ("tables.residues, tables.rank, tables.counts, out, partial, lse, split_counters,", " TRACE,"),
     ('        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:',
      "        if arrived == num_splits - 1:", "replace"),
@@ -65,9 +67,25 @@ PATCHES = [
 ]
 
 
-def instrumented_kernel(directory: str):
-    """A copy of the decode kernel's module with the timeline stamps (``module.TRACE`` after each launch)."""
-    return patched_module(KERNEL, PATCHES, directory)
+# Inside a CUDA graph a launch must not allocate its trace (the fill would be a kernel of its own between the graph's
+# launches): each launch takes the next of the caller's ``module.TRACE_BUFFERS`` (each >= the launch's programs x 8,
+# filled with -1 by the caller before a replay), round robin, counting in ``module.TRACE_CALLS``.
+PREALLOCATED_TRACE = (ALLOCATE_TRACE[0],
+                      "    global TRACE, TRACE_CALLS\n"
+                      "    TRACE = TRACE_BUFFERS[TRACE_CALLS % len(TRACE_BUFFERS)]\n"
+                      "    TRACE = TRACE[:num_splits * num_row_tiles * b * hkv]\n"
+                      "    TRACE_CALLS += 1\n")
+
+
+def instrumented_kernel(directory: str, preallocated: bool = False):
+    """A copy of the decode kernel's module with the timeline stamps (``module.TRACE`` after each launch; with
+    ``preallocated``, in the caller's ``module.TRACE_BUFFERS``, for launches inside a CUDA graph)."""
+    if not preallocated:
+        return patched_module(KERNEL, PATCHES, directory)
+    patches = [PREALLOCATED_TRACE if patch is ALLOCATE_TRACE else patch for patch in PATCHES]
+    module = patched_module(KERNEL, patches, directory, "instrumented_preallocated")
+    module.TRACE_BUFFERS, module.TRACE_CALLS = [], 0
+    return module
 
 
 def phases(trace: np.ndarray) -> dict:

@@ -1,7 +1,7 @@
 """Run every Triton kernel once on small odd shapes, for compute-sanitizer (memcheck): no out-of-bounds access.
 
-Attention (forward, backward, varlen), decode and cache append, and the fused RMSNorm / SwiGLU / rotary / decode
-projections.
+Attention (forward, backward, varlen), decode and cache append, and the fused RMSNorm / SwiGLU / rotary / rotary
+tables / decode projections.
 
 On compute capability 9.0 the warp-specialized Gluon forward (``hopper_fwd.py``), the split-group dk/dv, the Gluon dq
 and dk/dv (``hopper_bwd.py``) run too, forced, on their own cases. The tuner is off unless ``S2_ATTENTION_AUTOTUNE``
@@ -27,7 +27,15 @@ import torch
 
 from s2_models.kernels import S2Pattern, s2_attention, triton_impl
 from s2_models.kernels.decode import CompactLayout, ring_blocks_for, s2_cache_append, s2_decode_attention
-from s2_models.kernels.fused import add_rms_norm, linear_group, linear_swiglu, rms_norm, rotary_embedding, swiglu
+from s2_models.kernels.fused import (
+    add_rms_norm,
+    linear_group,
+    linear_swiglu,
+    rms_norm,
+    rotary_embedding,
+    rotary_tables,
+    swiglu,
+)
 
 torch.manual_seed(0)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: TRITON_INTERPRET=1, to check the script itself
@@ -41,7 +49,7 @@ HOPPER_CASES = [
 
 def portable_kernels() -> None:
     """Every Triton kernel's first candidate: attention (forward, backward, varlen), decode, cache append, the fused
-    norm / SwiGLU / rotary / projection kernels."""
+    norm / SwiGLU / rotary / rotary-tables / projection kernels."""
     for dtype in (torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.float16,):
         for pattern, (tq, tk), d in [
             (S2Pattern(16, 2, 4), (77, 77), 64),
@@ -92,12 +100,16 @@ def portable_kernels() -> None:
         k = torch.randn(3, 13, 2, 24, device=DEVICE, dtype=dtype).transpose(1, 2).requires_grad_()
         angles = torch.randn(1, 13, 24, device=DEVICE)
         sum(t.float().sum() for t in rotary_embedding(q, k, angles.cos(), angles.sin())).backward()
+        # the rotary tables: 39 tokens (not a multiple of a program's tokens), half a head of 12
+        rotary_tables(torch.randint(0, 5000, (3, 13), device=DEVICE), torch.rand(12, device=DEVICE), 1.3, dtype)
         with torch.no_grad():  # decode-sized projections: odd token count, K not a multiple of the steps, odd widths
             x = torch.randn(5, 300, device=DEVICE, dtype=dtype)
             linear_group(x, [torch.randn(n, 300, device=DEVICE, dtype=dtype) for n in (50, 33, 70)])
             linear_group(torch.randn(3, 4100, device=DEVICE, dtype=dtype), [torch.randn(40, 4100, device=DEVICE,
                                                                                          dtype=dtype)])
             linear_swiglu(x, *(torch.randn(70, 300, device=DEVICE, dtype=dtype) for _ in "gu"))
+            linear_group(x, [torch.randn(70, 300, device=DEVICE, dtype=dtype)],  # the closing residual add
+                         residual=torch.randn(5, 70, device=DEVICE, dtype=dtype))
 
 
 def hopper_kernels() -> None:

@@ -24,7 +24,10 @@ slower than with a separate length add; at the append's end, 18.6 us and the ste
 decode launches take ~23 us too with a PDL-launched o_proj behind them, also when the decode kernel lets it launch
 only at its end; and a PDL kernel of one program that only waits, placed behind the decode kernel, costs the step as
 much (+104 us; fifty-fourth session). So the kernel after the decode kernel (o_proj, cuBLAS's) launches the ordinary
-way. Why a programmatic edge there costs this is not known (bench/NOTES.md).
+way. Why a programmatic edge there costs this is not known. ``bench/pdl_edge.py`` reproduces it at one layer
+(fifty-fifth session: +4.0 us): it needs the append's end trigger in front of the decode kernel, it is not the split
+counter or merge (a copy without them pays too), and a one-split launch (half the SMs' worth of programs) does not
+pay it (bench/NOTES.md).
 
 ``S2_ATTENTION_PDL=0`` launches every kernel the ordinary way.
 """
