@@ -408,10 +408,18 @@ def _default_skinny_tiles(x: torch.Tensor, loops: int, weights_per_loop: int, ma
     """Tile and pipeline depth of the decode-sized kernels (H100 sweep, checked on an H200; bench/NOTES.md): 32
     weight rows x 256 columns per step up to K = 4096, 16 x 512 beyond, or half as many columns where that fits more
     stages (up to ``max_stages``) in ~200 KB of shared memory (``pipeline_bytes``)."""
-    block_n, block_k = (32, 256) if x.shape[1] <= 4096 else (16, 512)
+    return _skinny_tiles_for(x.shape[1], x.element_size(), loops, weights_per_loop, max_stages)
+
+
+@functools.lru_cache(maxsize=64)
+def _skinny_tiles_for(width: int, element_size: int, loops: int, weights_per_loop: int,
+                      max_stages: int) -> SkinnyTiles:
+    """``_default_skinny_tiles`` by its inputs' sizes, computed once: every projection of every eager decode step
+    asks (~3 us of Python a call, ~48 calls a step of the 1B hybrid)."""
+    block_n, block_k = (32, 256) if width <= 4096 else (16, 512)
 
     def deepest(tiles: SkinnyTiles) -> SkinnyTiles:
-        while tiles.stages > 2 and pipeline_bytes(tiles, loops, weights_per_loop, x.element_size()) > 200 * 1024:
+        while tiles.stages > 2 and pipeline_bytes(tiles, loops, weights_per_loop, element_size) > 200 * 1024:
             tiles = SkinnyTiles(tiles.block_n, tiles.block_k, tiles.stages - 1)
         return tiles
 
