@@ -11,9 +11,9 @@ standing for cuBLAS's o_proj]. ``--after marker`` puts the marker before the ord
 ``--variants`` adds copies of the decode kernel whose split merge is cut down, to see what of it a programmatic
 edge slows. They are for timing only: their outputs are wrong wherever a split would have waited for another.
 ``relaxed``: the split counter's atomic without its acquire/release; ``noatomic``: no counter, the highest split id
-merges whatever is there; ``nomerge``: no counter and no merge. ``--placement`` also records, for every arm, one
-graph replay of an instrumented copy (``decode_timeline.py``'s stamps, buffers allocated before the capture): each
-program's SM and phases, and how many programs shared an SM::
+merges whatever is there; ``nomerge``: no counter and no merge. ``--placement`` also records, for every arm of the
+package's kernel (``head``), one graph replay of an instrumented copy (``decode_timeline.py``'s stamps, buffers
+allocated before the capture): each program's SM and phases, and how many programs shared an SM::
 
     python bench/pdl_edge.py --out $OUT/pdl_edge.json --variants head,nomerge --placement
 """
