@@ -12,8 +12,10 @@ standing for cuBLAS's o_proj]. ``--after marker`` puts the marker before the ord
 edge slows. They are for timing only: their outputs are wrong wherever a split would have waited for another.
 ``relaxed``: the split counter's atomic without its acquire/release; ``noatomic``: no counter, the highest split id
 merges whatever is there; ``nomerge``: no counter and no merge. ``--placement`` also records, for every arm of the
-package's kernel (``head``), one graph replay of an instrumented copy (``decode_timeline.py``'s stamps, buffers
-allocated before the capture): each program's SM and phases, and how many programs shared an SM::
+package's kernel (``head``), a graph of an instrumented copy (``decode_timeline.py``'s stamps, buffers allocated
+before the capture) whose marker and ordinary kernel stamp the edges between the launches: back-to-back replays
+event-timed, then single replays read back for each program's SM and phases, how many SMs ran none, and the gaps
+between the kernels::
 
     python bench/pdl_edge.py --out $OUT/pdl_edge.json --variants head,nomerge --placement
 """
@@ -49,9 +51,28 @@ VARIANTS = {  # timing only (see the module docstring)
 
 
 @triton.jit
-def marker_kernel(x, PDL: tl.constexpr):
-    """A PDL kernel of no work: it waits for the kernel before it, then lets the next one launch."""
+def _globaltimer():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def marker_kernel(edges, PDL: tl.constexpr, STAMP: tl.constexpr):
+    """A PDL kernel of no work: it waits for the kernel before it, then lets the next one launch. With ``STAMP``
+    (placement) it stores ``%globaltimer`` at its start (``edges[0]``) and past its wait (``edges[1]``), and its SM
+    (``edges[3]``)."""
+    if STAMP:
+        tl.store(edges, _globaltimer())
     wait_for_preceding_kernel(PDL)
+    if STAMP:
+        tl.store(edges + 1, _globaltimer())
+        tl.store(edges + 3, tl.extra.cuda.smid().to(tl.int64))
+
+
+@triton.jit
+def closing_stamp_kernel(edges):
+    """Placement's ordinary kernel after the decode kernel (an ordinary launch, as o_proj's): ``%globaltimer`` at its
+    start, in ``edges[2]``."""
+    tl.store(edges + 2, _globaltimer())
 
 
 def variant_module(name: str, directory: str):
@@ -64,50 +85,83 @@ def variant_module(name: str, directory: str):
 
 
 def layer_launches(module, setup: dict, layout, splits: int | None, k, v, before: str, after: str,
-                   ordinary: torch.Tensor) -> torch.Tensor:
-    """One sparse layer's launches of an arm over one cache: [append], decode, [marker], [ordinary kernel]."""
+                   ordinary: torch.Tensor, edges: torch.Tensor | None = None) -> torch.Tensor:
+    """One sparse layer's launches of an arm over one cache: [append], decode, [marker], [ordinary kernel]. With
+    ``edges`` (int64 [4], placement) the marker stamps and the ordinary kernel is ``closing_stamp_kernel``."""
     if before == "append":
         new = setup["q"][:, ::layout.q_heads_per_kv, :1]  # one new token a KV head, written at seq_lens - 1
         s2_cache_append(k, v, new, new, setup["seq_lens"], layout, num_ring_slots=setup["num_ring"])
     out = launch(module, setup, layout, TILES, splits, k, v)
     if after == "marker":
-        marker_kernel[(1,)](out, **launch_options(out.device))
+        marker_kernel[(1,)](ordinary if edges is None else edges, STAMP=edges is not None,
+                            **launch_options(out.device))
     if after != "none":
-        ordinary.add_(1.0)
+        if edges is None:
+            ordinary.add_(1.0)
+        else:
+            closing_stamp_kernel[(1,)](edges)
     return out
 
 
-def placement(module, setup: dict, layout, splits, before: str, after: str, ordinary: torch.Tensor) -> dict:
-    """One replay of a graph of the arm's launches with the instrumented kernel: each launch's phases and SMs."""
+def placement(module, setup: dict, layout, splits, before: str, after: str, ordinary: torch.Tensor,
+              replays: int = 20, samples: int = 5) -> dict:
+    """A graph of the arm's launches with the instrumented kernel, a stamping marker and a stamping ordinary kernel,
+    ``samples`` times: ``replays`` back-to-back replays event-timed, the last one's stamps read back (each decode
+    launch's phases and SMs, the gaps between the kernels in us). Where a PDL kernel followed the decode kernel, its
+    programs ran two to an SM on up to 64 SMs in some graphs and replays and not in others (bench/NOTES.md,
+    fifty-sixth session): compare ``us_per_layer`` with the package kernel's time of the same arm."""
     programs = 16 * layout.num_kv_heads * setup["q"].shape[0]  # more than any split count's programs
     module.TRACE_BUFFERS = [torch.empty(programs, 8, dtype=torch.int64, device="cuda") for _ in setup["caches"]]
+    edges = torch.full((len(setup["caches"]), 4), -1, dtype=torch.int64, device="cuda")
 
     def run():
-        for k, v in setup["caches"]:
-            layer_launches(module, setup, layout, splits, k, v, before, after, ordinary)
+        for i, (k, v) in enumerate(setup["caches"]):
+            layer_launches(module, setup, layout, splits, k, v, before, after, ordinary, edges[i])
 
+    module.TRACE_CALLS = 0
     run()  # compiles; one call a cache, so the round robin maps launch i of the graph to buffer i
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
     graph.replay()
-    for buffer in module.TRACE_BUFFERS:
-        buffer.fill_(-1)
-    graph.replay()
-    torch.cuda.synchronize()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    launches = []
-    for buffer in module.TRACE_BUFFERS:
-        trace = buffer.cpu().numpy()
-        trace = trace[trace[:, 0] >= 0]  # the rows this launch's programs stamped
-        launch_phases = decode_timeline.phases(trace)
-        programs_per_sm = np.bincount(trace[:, 5], minlength=sms)
-        launch_phases["sms_by_programs"] = np.bincount(programs_per_sm).tolist()  # SMs with 0, 1, 2, ... programs
-        launches.append(launch_phases)
-    return {"span_us_median": statistics.median(row["span_us"] for row in launches),
+    gaps = {"closing_to_decode_start": [], "decode_end_to_marker_past_wait": [], "decode_end_to_closing": []}
+    times, sms_without_program, spans = [], [], []
+    for _ in range(samples):
+        for buffer in [*module.TRACE_BUFFERS, edges]:
+            buffer.fill_(-1)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (replays * len(setup["caches"])))
+        stamps = edges.cpu().numpy()  # the last replay's
+        launches = []
+        for i, buffer in enumerate(module.TRACE_BUFFERS):
+            trace = buffer.cpu().numpy()
+            trace = trace[trace[:, 0] >= 0]  # the rows this launch's programs stamped
+            launch_phases = decode_timeline.phases(trace)
+            programs_per_sm = np.bincount(trace[:, 5], minlength=sms)
+            launch_phases["sms_by_programs"] = np.bincount(programs_per_sm).tolist()  # SMs with 0, 1, 2, ... programs
+            launches.append(launch_phases)
+            sms_without_program.append(launch_phases["sms_by_programs"][0])
+            spans.append(launch_phases["span_us"])
+            first_start, last_end = trace[:, 0].min(), trace[:, 2:5].max()
+            if after != "none":
+                gaps["decode_end_to_closing"].append((stamps[i, 2] - last_end) / 1e3)
+                if i:
+                    gaps["closing_to_decode_start"].append((first_start - stamps[i - 1, 2]) / 1e3)
+            if after == "marker":
+                gaps["decode_end_to_marker_past_wait"].append((stamps[i, 1] - last_end) / 1e3)
+    return {"us_per_layer": statistics.median(times),
+            "span_us_median": statistics.median(spans),
+            "sms_without_program": sms_without_program,
             "most_programs_on_one_sm": max(row["most_programs_on_one_sm"] for row in launches),
-            "launches": launches}
+            "gaps_us_median": {key: round(statistics.median(values), 2) for key, values in gaps.items() if values},
+            "launches": launches}  # the last sample's
 
 
 def main():
@@ -149,11 +203,14 @@ def main():
                 splits = None if row["splits"] == "auto" else row["splits"]
                 row["placement"] = placement(instrumented, setup, layout, splits, row["before"], row["after"],
                                              ordinary)
+            summary = []
+            if "placement" in row:
+                where = row["placement"]
+                summary = [f"instrumented {where['us_per_layer']:.2f} us, span {where['span_us_median']:.2f} us, "
+                           f"at most {where['most_programs_on_one_sm']} programs an SM, "
+                           f"SMs without one {where['sms_without_program']}", where["gaps_us_median"]]
             print(f"{row['variant']:9s} splits={row['splits']!s:4s} before={row['before']:6s} "
-                  f"after={row['after']:8s} {row['median_us']:7.2f} us", *(
-                      [f"span {row['placement']['span_us_median']:.2f} us, at most "
-                       f"{row['placement']['most_programs_on_one_sm']} programs an SM"] if "placement" in row else []),
-                  flush=True)
+                  f"after={row['after']:8s} {row['median_us']:7.2f} us", *summary, flush=True)
             results["arms"].append(row)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

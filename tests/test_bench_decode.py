@@ -143,7 +143,8 @@ def test_compiled_variants_report_each_launch_shape(tmp_path):
 @pytest.mark.gpu
 def test_pdl_edge_placement_stamps_every_program_of_every_launch_in_the_graph(tmp_path):
     """``pdl_edge.placement`` replays a graph of an arm's launches with trace buffers allocated before the capture:
-    every launch's programs stamp their own buffer (a fill inside the graph would be a launch between the arm's)."""
+    every launch's programs stamp their own buffer (a fill inside the graph would be a launch between the arm's), and
+    the marker and closing kernel stamp the edges between the launches."""
     module = decode_timeline.instrumented_kernel(str(tmp_path), preallocated=True)
     layout = CompactLayout(S2Pattern(block_size=64, local_blocks=2, vert_stride=4), num_q_heads=8, num_kv_heads=2,
                            ring_blocks=2)
@@ -161,3 +162,8 @@ def test_pdl_edge_placement_stamps_every_program_of_every_launch_in_the_graph(tm
         assert sum(launch["sms_by_programs"]) == sms and launch["span_us"] > 0
         assert sum(count * programs for programs, count in enumerate(launch["sms_by_programs"])) == 8
     assert 1 <= result["most_programs_on_one_sm"] <= 2
+    assert result["us_per_layer"] > 0 and len(result["sms_without_program"]) == 5 * 3  # samples x launches
+    assert all(sms - 8 <= idle < sms for idle in result["sms_without_program"])
+    assert set(result["gaps_us_median"]) == {"closing_to_decode_start", "decode_end_to_marker_past_wait",
+                                             "decode_end_to_closing"}
+    assert result["gaps_us_median"]["decode_end_to_marker_past_wait"] > 0  # the marker waits for the whole launch
