@@ -318,13 +318,18 @@ def graph_seconds(run, calls: int, replays: int = 20) -> float:
         for _ in range(calls):
             run()
     graph.replay()
+    return replay_seconds(graph, replays) / calls
+
+
+def replay_seconds(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Seconds per replay of ``graph``, from ``replays`` back-to-back replays (CUDA events)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / (replays * calls)
+    return start.elapsed_time(end) / 1e3 / replays
 
 
 def copy_bandwidth(gib: int = 4) -> float:

@@ -32,7 +32,7 @@ from pathlib import Path
 import decode_timeline
 import numpy as np
 import torch
-from bench_generation import full_caches, graph_seconds
+from bench_generation import full_caches, graph_seconds, replay_seconds
 from decode_ab import launch, sparse_layout
 from kernel_versions import patched_module
 
@@ -131,13 +131,7 @@ def placement(module, setup: dict, layout, splits, before: str, after: str, ordi
     for _ in range(samples):
         for buffer in [*module.TRACE_BUFFERS, edges]:
             buffer.fill_(-1)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (replays * len(setup["caches"])))
+        times.append(replay_seconds(graph, replays) / len(setup["caches"]) * 1e6)
         stamps = edges.cpu().numpy()  # the last replay's
         launches = []
         for i, buffer in enumerate(module.TRACE_BUFFERS):
