@@ -108,7 +108,7 @@ def placement(module, setup: dict, layout, splits, before: str, after: str, ordi
     """A graph of the arm's launches with the instrumented kernel, a stamping marker and a stamping ordinary kernel,
     ``samples`` times: ``replays`` back-to-back replays event-timed, the last one's stamps read back (each decode
     launch's phases and SMs, the gaps between the kernels in us). Where a PDL kernel followed the decode kernel, its
-    programs ran two to an SM on up to 64 SMs in some graphs and replays and not in others (bench/NOTES.md,
+    programs ran two to an SM on up to 60 SMs in some graphs and replays and not in others (bench/NOTES.md,
     fifty-sixth session): compare ``us_per_layer`` with the package kernel's time of the same arm."""
     programs = 16 * layout.num_kv_heads * setup["q"].shape[0]  # more than any split count's programs
     module.TRACE_BUFFERS = [torch.empty(programs, 8, dtype=torch.int64, device="cuda") for _ in setup["caches"]]

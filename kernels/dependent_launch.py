@@ -27,7 +27,7 @@ much (+104 us; fifty-fourth session). So the kernel after the decode kernel (o_p
 way. ``bench/pdl_edge.py`` reproduces the cost at one layer (fifty-fifth session: +4.0 us; it needs the append's
 end trigger in front of the decode kernel, and a one-split launch, half the SMs' worth of programs, does not pay
 it). Where it goes (fifty-sixth session, stamps at every launch's edges): into the decode launch itself. With a PDL
-kernel behind it, its 128 programs at 8 x 32k ran two to an SM on up to 64 SMs, leaving as many idle (one to an SM
+kernel behind it, its 128 programs at 8 x 32k ran two to an SM on up to 60 SMs, leaving up to 64 idle (one to an SM
 without), and the launch took 22.7 us instead of 18.4; the gaps between the kernels did not change. The kernel's
 186 registers and 64 KB allow two programs an SM; a launch shape that allows one does not pay the cost but loops
 slower (bench/NOTES.md).
