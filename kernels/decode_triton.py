@@ -31,6 +31,8 @@ Entry point ``decode_attention_triton(q, k_cache, v_cache, seq_lens, layout, num
 * On Hopper and later GPUs the kernel (and the cache append before it) launches with programmatic dependent launch
   (``dependent_launch.py``): its programs load the layout's slot tables while the previous kernel finishes, then
   wait for it before reading anything else. The append lets this kernel launch only at its end (see there why).
+  A launch whose programs fit one to an SM reserves more than half an SM's shared memory, so that a kernel launched
+  with PDL behind it cannot make the hardware place two of them on one SM (see ``decode_attention_triton``).
 * A few compiled variants serve every chunk length and cache size: tile heights do not follow ``Tq`` (8, 16 or 64
   query rows), and the arguments that change from call to call (``Tq``, slot and split counts, strides that depend
   on ``Tq``) are not specialised on. Triton would otherwise compile a new variant whenever one of them became 1 or a
@@ -56,7 +58,7 @@ from .dependent_launch import (
 )
 from .layouts import CompactLayout
 from .triton_impl import row_mask
-from .triton_setup import launch_within_shared_memory, next_power_of_2, tl, triton
+from .triton_setup import launch_within_shared_memory, next_power_of_2, reserve_shared_memory, tl, triton
 
 LOG2E = math.log2(math.e)
 
@@ -186,11 +188,13 @@ def s2_decode_fwd_kernel(
     LOCAL_BLOCKS: tl.constexpr, RING_BLOCKS: tl.constexpr, VERT_STRIDE: tl.constexpr, KEYS_ON_M: tl.constexpr,
     KEY_GROUPS: tl.constexpr, TABLE_WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, ONE_PROGRAM_AN_SM: tl.constexpr,
 ):
     """Grid ``(num_splits, num_row_tiles, B * Hkv)``. The pattern's sizes are compile-time constants: the slot map
     and the mask divide by them for every key of every tile, and a constant (a power of two in practice) turns
-    those integer divisions into shifts (one compilation per pattern; a model has one or two)."""
+    those integer divisions into shifts (one compilation per pattern; a model has one or two). ``ONE_PROGRAM_AN_SM``
+    changes no code: it gives the launches whose programs fit one to an SM a compiled variant of their own, whose
+    launches ``decode_attention_triton`` makes reserve more than half an SM's shared memory."""
     split = tl.program_id(0)
     row_tile = tl.program_id(1)
     batch = tl.program_id(2) // num_kv_heads
@@ -360,6 +364,12 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=8)
+def _shared_memory_of_one_program_an_sm(device_index: int) -> int:
+    """Bytes of shared memory a program must reserve so that no SM can hold two: over half an SM's."""
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_multiprocessor // 2 + 1
+
+
 def _choose_num_splits(programs: int, num_tiles: int, device: torch.device) -> int:
     """Up to one program per multiprocessor and 8 splits, each split keeping >= 4 key tiles of work. One program an
     SM, not two: with a warp's own share of every tile, a program streams fast enough alone, and a second one only
@@ -433,6 +443,13 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
         split_counters = torch.empty(0, dtype=torch.int32, device=q.device)
     num_heads = layout.num_pattern_heads
     grid = (num_splits, num_row_tiles, b * hkv)
+    # When the programs fit one to an SM, their launch reserves more than half an SM's shared memory, so that none
+    # runs beside another while an SM idles. The kernel's registers and shared memory (186 and 64 KB at head dim 64)
+    # allow two an SM, and an H200 placed two on 13-60 SMs whenever a kernel launched with PDL followed (+4 us a
+    # launch at 8 x 32k, none with the reservation; alone it changes nothing measurable, 18.2 against 18.3 us;
+    # bench/NOTES.md, fifty-sixth and fifty-seventh sessions). More programs than SMs run faster two an SM (32 x 32k:
+    # 50.7 against 54.9 us reserved). The first launch of each compiled variant runs before the reservation is made.
+    one_program_an_sm = q.device.type == "cuda" and math.prod(grid) <= _num_sms(q.device.index)
     launch = functools.partial(
         s2_decode_fwd_kernel[grid],
         q, k_cache, v_cache, seq_lens, tables.residues, tables.rank, tables.counts, out, partial, lse, split_counters,
@@ -446,10 +463,12 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
         next_power_of_2(pattern.vert_stride),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=tiles.num_warps, **launch_options(q.device),
+        ONE_PROGRAM_AN_SM=one_program_an_sm, num_warps=tiles.num_warps, **launch_options(q.device),
     )
     variant = ("decode", q.device, q.dtype, d, block_m, block_n, tiles.num_warps, tiles.num_stages)
-    launch_within_shared_memory(launch, tiles.num_stages, key=variant)
+    compiled = launch_within_shared_memory(launch, tiles.num_stages, key=variant)
+    if one_program_an_sm and compiled is not None:  # (None: Triton's interpreter)
+        reserve_shared_memory(compiled, _shared_memory_of_one_program_an_sm(q.device.index))
     return out
 
 

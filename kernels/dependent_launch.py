@@ -29,8 +29,11 @@ end trigger in front of the decode kernel, and a one-split launch, half the SMs'
 it). Where it goes (fifty-sixth session, stamps at every launch's edges): into the decode launch itself. With a PDL
 kernel behind it, its 128 programs at 8 x 32k ran two to an SM on up to 60 SMs, leaving up to 64 idle (one to an SM
 without), and the launch took 22.7 us instead of 18.4; the gaps between the kernels did not change. The kernel's
-186 registers and 64 KB allow two programs an SM; a launch shape that allows one does not pay the cost but loops
-slower (bench/NOTES.md).
+186 registers and 64 KB allow two programs an SM, so a decode launch whose programs fit one to an SM now reserves
+more than half an SM's shared memory (``decode_triton.py``; fifty-seventh session): with a PDL kernel behind it the
+layer takes what it takes with an ordinary one. o_proj stays cuBLAS's all the same: as ``linear_group`` behind the
+reserving decode kernel it still made the batch-8 step slower (1.348 -> 1.371 ms; it ends 7.2 us after the decode
+kernel, cuBLAS's 5.8), though batch 1 faster (1.011 -> 0.996 ms).
 
 ``S2_ATTENTION_PDL=0`` launches every kernel the ordinary way.
 """

@@ -52,17 +52,18 @@ def next_power_of_2(n: int) -> int:
 _STAGES_THAT_FIT: dict[tuple, int] = {}
 
 
-def launch_within_shared_memory(launch, num_stages: int, key: tuple) -> None:
+def launch_within_shared_memory(launch, num_stages: int, key: tuple):
     """``launch(num_stages=s)`` with the deepest software pipeline ``s <= num_stages`` whose compiled kernel fits the
     GPU's shared memory. What a stage takes depends on the Triton version and on shapes a launcher's defaults were
     not tuned at (the decode kernel at 3 stages: ~290-350 KB in float32 with head dim 128, 256 KB in bf16 with head
     dim 256, where a Hopper program may use 227 KB; bench/NOTES.md, fifty-third session). Triton reports it when the
     launch is prepared, before anything runs (``OutOfResources``); the next shallower pipeline is then tried, and the
-    depth that fits is remembered under ``key`` (what fixes the compiled variant's shared memory)."""
+    depth that fits is remembered under ``key`` (what fixes the compiled variant's shared memory). Returns what
+    ``launch`` returns (Triton's compiled kernel; None in the interpreter)."""
     stages = _STAGES_THAT_FIT.get(key, num_stages)
     while True:
         try:
-            launch(num_stages=stages)
+            compiled = launch(num_stages=stages)
         except triton.runtime.errors.OutOfResources:
             if stages == 1:
                 raise
@@ -70,7 +71,25 @@ def launch_within_shared_memory(launch, num_stages: int, key: tuple) -> None:
             continue
         if stages != num_stages:
             _STAGES_THAT_FIT[key] = stages
-        return
+        return compiled
 
 
-__all__ = ["launch_within_shared_memory", "next_power_of_2", "tl", "triton"]
+# Triton's ``load_binary`` opts a kernel that uses more shared memory than this in to all that one program may use;
+# a kernel that uses less may not launch with more than it was compiled with.
+_DEFAULT_SHARED_MEMORY_LIMIT = 48 * 1024
+
+
+def reserve_shared_memory(compiled, nbytes: int) -> bool:
+    """Make every later launch of ``compiled`` (Triton's ``CompiledKernel``) ask for at least ``nbytes`` of shared
+    memory, so that fewer of its programs fit on one SM; the kernel uses no more than before. Triton 3.6 has no
+    compile option for it (3.9's ``min_shared_mem``); a launch takes its shared memory from the kernel's
+    ``packed_metadata`` (Triton 3.6 to 3.9). Only for kernels that use more than 48 KB, which Triton opted in to the
+    SM's whole shared memory when it loaded them. Returns whether later launches ask for ``nbytes`` or more."""
+    warps, ctas, shared = compiled.packed_metadata
+    if shared < nbytes and compiled.metadata.shared > _DEFAULT_SHARED_MEMORY_LIMIT:
+        compiled.packed_metadata = (warps, ctas, nbytes)
+        shared = nbytes
+    return shared >= nbytes
+
+
+__all__ = ["launch_within_shared_memory", "next_power_of_2", "reserve_shared_memory", "tl", "triton"]

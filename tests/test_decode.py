@@ -5,6 +5,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -414,6 +415,60 @@ def test_programmatic_launch_only_on_hopper_gpus(monkeypatch):
     monkeypatch.delenv("S2_ATTENTION_PDL")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not dependent_launch.programmatic_launch(torch.device("cuda", 0))
+
+
+class _Compiled:
+    """Stands in for Triton's ``CompiledKernel``: what a launch reads its shared memory from, and what it uses."""
+
+    def __init__(self, shared: int):
+        self.metadata = SimpleNamespace(shared=shared)
+        self.packed_metadata = (4, 1, shared)
+
+
+def test_reserving_shared_memory_raises_a_launch_and_never_lowers_it():
+    """``reserve_shared_memory``: launches of a kernel using over 48 KB (which Triton opted in to all of an SM's
+    shared memory) ask for the reservation; one using less cannot (a launch may not ask beyond what it was loaded
+    with) and says so; a kernel already asking for more keeps its own."""
+    from s2_models.kernels.triton_setup import reserve_shared_memory
+
+    large, small, deep = _Compiled(65536), _Compiled(32768), _Compiled(200_000)
+    assert reserve_shared_memory(large, 116_737) and large.packed_metadata == (4, 1, 116_737)
+    assert large.metadata.shared == 65536
+    assert not reserve_shared_memory(small, 116_737) and small.packed_metadata == (4, 1, 32768)
+    assert reserve_shared_memory(deep, 116_737) and deep.packed_metadata == (4, 1, 200_000)
+
+
+@pytest.mark.gpu
+def test_decode_launches_of_one_program_an_sm_reserve_over_half_its_shared_memory(monkeypatch):
+    """A decode launch whose programs fit one to an SM asks for more than half an SM's shared memory, so that a
+    kernel launched behind it with PDL cannot make the hardware place two on one SM (bench/NOTES.md, fifty-seventh
+    session); a launch of more programs than SMs runs its own compiled variant, unreserved. Both give the PyTorch
+    path's outputs."""
+    launched, reserved = [], []  # the compiled kernels launched; (compiled kernel, bytes) reserved
+    launch_within_shared_memory = decode_triton.launch_within_shared_memory
+    reserve = decode_triton.reserve_shared_memory
+
+    def record_launch(*args, **kwargs):
+        launched.append(launch_within_shared_memory(*args, **kwargs))
+        return launched[-1]
+
+    def record_reservation(compiled, nbytes):
+        reserved.append((compiled, nbytes))
+        return reserve(compiled, nbytes)
+
+    monkeypatch.setattr(decode_triton, "launch_within_shared_memory", record_launch)
+    monkeypatch.setattr(decode_triton, "reserve_shared_memory", record_reservation)
+    properties = torch.cuda.get_device_properties(0)
+    _check_triton_on_gpu(torch.bfloat16, 1, 64, hkv=2, t=3000, seq_lens=[3000, 2000], tolerance=2e-2)
+    assert len(reserved) == 1 and reserved[0][0] is launched[-1]
+    compiled, nbytes = reserved[0]
+    assert 2 * nbytes > properties.shared_memory_per_multiprocessor
+    assert compiled.packed_metadata[2] == nbytes > compiled.metadata.shared > 48 * 1024
+    # hkv 8 and one more row than SMs / 8: more programs than SMs, whatever the split count
+    rows = properties.multi_processor_count // 8 + 1
+    _check_triton_on_gpu(torch.bfloat16, 1, 64, hkv=8, t=700, seq_lens=[700] * rows, tolerance=2e-2)
+    assert len(reserved) == 1 and launched[-1] is not compiled
+    assert launched[-1].packed_metadata[2] == launched[-1].metadata.shared
 
 
 def test_split_count_aims_at_one_program_per_sm(monkeypatch):
