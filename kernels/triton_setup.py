@@ -84,8 +84,13 @@ def reserve_shared_memory(compiled, nbytes: int) -> bool:
     memory, so that fewer of its programs fit on one SM; the kernel uses no more than before. Triton 3.6 has no
     compile option for it (3.9's ``min_shared_mem``); a launch takes its shared memory from the kernel's
     ``packed_metadata`` (Triton 3.6 to 3.9). Only for kernels that use more than 48 KB, which Triton opted in to the
-    SM's whole shared memory when it loaded them. Returns whether later launches ask for ``nbytes`` or more."""
-    warps, ctas, shared = compiled.packed_metadata
+    SM's whole shared memory when it loaded them. Returns whether later launches ask for ``nbytes`` or more; where
+    a Triton packs its launch metadata otherwise, launches keep asking for what the kernel uses (a placement, never
+    a result, depends on it)."""
+    packed = getattr(compiled, "packed_metadata", None)
+    if not (isinstance(packed, tuple) and len(packed) == 3):
+        return False
+    warps, ctas, shared = packed
     if shared < nbytes and compiled.metadata.shared > _DEFAULT_SHARED_MEMORY_LIMIT:
         compiled.packed_metadata = (warps, ctas, nbytes)
         shared = nbytes

@@ -428,7 +428,8 @@ class _Compiled:
 def test_reserving_shared_memory_raises_a_launch_and_never_lowers_it():
     """``reserve_shared_memory``: launches of a kernel using over 48 KB (which Triton opted in to all of an SM's
     shared memory) ask for the reservation; one using less cannot (a launch may not ask beyond what it was loaded
-    with) and says so; a kernel already asking for more keeps its own."""
+    with) and says so; a kernel already asking for more keeps its own; launch metadata packed otherwise (another
+    Triton) is left alone."""
     from s2_models.kernels.triton_setup import reserve_shared_memory
 
     large, small, deep = _Compiled(65536), _Compiled(32768), _Compiled(200_000)
@@ -436,6 +437,9 @@ def test_reserving_shared_memory_raises_a_launch_and_never_lowers_it():
     assert large.metadata.shared == 65536
     assert not reserve_shared_memory(small, 116_737) and small.packed_metadata == (4, 1, 32768)
     assert reserve_shared_memory(deep, 116_737) and deep.packed_metadata == (4, 1, 200_000)
+    other = _Compiled(65536)
+    other.packed_metadata = (4, 1, 65536, 0)
+    assert not reserve_shared_memory(other, 116_737) and other.packed_metadata == (4, 1, 65536, 0)
 
 
 @pytest.mark.gpu
