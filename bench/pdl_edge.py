@@ -3,10 +3,11 @@ the static cache's decode step arranges them, in CUDA graphs over ``bench_genera
 
 In the 1B hybrid's step at batch 8 / 32k on an H200, a one-program PDL kernel that only waits, placed behind each
 decode kernel, costs the step ~93-104 us (bench/NOTES.md, fifty-fourth and fifty-fifth sessions). Each arm here
-launches, for every cache of the graph: [the cache append (PDL; it lets the decode kernel launch at its end, as in
-the step)], the decode kernel, [``marker_kernel``: one program that only waits], [a tiny ordinary PyTorch kernel,
-standing for cuBLAS's o_proj]. ``--after marker`` puts the marker before the ordinary kernel. Times are per layer
-(all of an arm's launches), medians over ``--rounds``, arms alternated in one process.
+launches, for every cache of the graph: [the cache append (PDL, the package's: up to the fifty-seventh session it
+let the decode kernel launch only at its end, since then right after its wait)], the decode kernel,
+[``marker_kernel``: one program that only waits], [a tiny ordinary PyTorch kernel, standing for cuBLAS's o_proj].
+``--after marker`` puts the marker before the ordinary kernel. Times are per layer (all of an arm's launches),
+medians over ``--rounds``, arms alternated in one process.
 
 ``--variants`` adds copies of the decode kernel whose split merge is cut down, to see what of it a programmatic
 edge slows. They are for timing only: their outputs are wrong wherever a split would have waited for another.

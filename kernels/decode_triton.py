@@ -30,9 +30,9 @@ Entry point ``decode_attention_triton(q, k_cache, v_cache, seq_lens, layout, num
   [64, D] as groups would spill).
 * On Hopper and later GPUs the kernel (and the cache append before it) launches with programmatic dependent launch
   (``dependent_launch.py``): its programs load the layout's slot tables while the previous kernel finishes, then
-  wait for it before reading anything else. The append lets this kernel launch only at its end (see there why).
-  A launch whose programs fit one to an SM reserves more than half an SM's shared memory, so that a kernel launched
-  with PDL behind it cannot make the hardware place two of them on one SM (see ``decode_attention_triton``).
+  wait for it before reading anything else (the append lets it launch right after the append's own wait). A launch
+  whose programs fit one to an SM reserves more than half an SM's shared memory, so that a kernel launched with PDL
+  behind it cannot make the hardware place two of them on one SM (see ``decode_attention_triton``).
 * A few compiled variants serve every chunk length and cache size: tile heights do not follow ``Tq`` (8, 16 or 64
   query rows), and the arguments that change from call to call (``Tq``, slot and split counts, strides that depend
   on ``Tq``) are not specialised on. Triton would otherwise compile a new variant whenever one of them became 1 or a
@@ -50,12 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .dependent_launch import (
-    launch_next_kernel,
-    launch_options,
-    wait_for_preceding_kernel,
-    wait_for_preceding_kernel_alone,
-)
+from .dependent_launch import launch_options, wait_for_preceding_kernel
 from .layouts import CompactLayout
 from .triton_impl import row_mask
 from .triton_setup import launch_within_shared_memory, next_power_of_2, reserve_shared_memory, tl, triton
@@ -497,7 +492,7 @@ def s2_cache_append_kernel(
     ``(cdiv(Tq, BLOCK_T), B * Hkv)``: up to ``BLOCK_T`` tokens of one KV head. With ``ADVANCE_LENGTHS``, grid
     ``(1, B)``: every pair of the row, then the row's length advanced by ``Tq``. The one program that reads a row's
     length is then the one that writes it, so no other program can read the advanced length by mistake."""
-    wait_for_preceding_kernel_alone(PDL)  # the decode kernel after it launches at its end (dependent_launch.py)
+    wait_for_preceding_kernel(PDL)
     if ADVANCE_LENGTHS:
         batch = tl.program_id(1)
         first, end = 0, num_kv_heads * seqlen_q
@@ -532,7 +527,6 @@ def s2_cache_append_kernel(
         tl.store(dst_v[:, None] + d[None, :] * stride_dd, v_rows, mask=mask)
     if ADVANCE_LENGTHS:
         tl.store(seq_lens + batch, length + seqlen_q)
-    launch_next_kernel(PDL)
 
 
 def cache_append_triton(k_cache, v_cache, key, value, seq_lens, layout: CompactLayout, num_ring: int,

@@ -15,25 +15,19 @@ may write, or writes anything. Only tables that are copied to the GPU once, when
 before it (the decode kernel's slot tables). Kernels launched the ordinary way (PyTorch's, cuBLAS's) wait for the
 whole of the kernel before them, as always.
 
-When to let the next kernel launch. Most kernels do it right after their wait, so that the next one's launch and
-set-up overlap as much of them as possible. The cache append lets the decode kernel after it launch only at its
-end. Measured on an H200 (the 1B hybrid's decode step at 8 x 32k as a CUDA graph; bench/NOTES.md, fifty-first
-session): with the append as one program a batch row that also advances the row lengths, letting the decode
-kernel launch at the append's start made the sparse layers' decode launches 18.6 -> 23.0 us (median) and the step
-slower than with a separate length add; at the append's end, 18.6 us and the step 1.45 -> 1.41 ms. The batch-8
-decode launches take ~23 us too with a PDL-launched o_proj behind them, also when the decode kernel lets it launch
-only at its end; and a PDL kernel of one program that only waits, placed behind the decode kernel, costs the step as
-much (+104 us; fifty-fourth session). So the kernel after the decode kernel (o_proj, cuBLAS's) launches the ordinary
-way. ``bench/pdl_edge.py`` reproduces the cost at one layer (fifty-fifth session: +4.0 us; it needs the append's
-end trigger in front of the decode kernel, and a one-split launch, half the SMs' worth of programs, does not pay
-it). Where it goes (fifty-sixth session, stamps at every launch's edges): into the decode launch itself. With a PDL
-kernel behind it, its 128 programs at 8 x 32k ran two to an SM on up to 60 SMs, leaving up to 64 idle (one to an SM
-without), and the launch took 22.7 us instead of 18.4; the gaps between the kernels did not change. The kernel's
-186 registers and 64 KB allow two programs an SM, so a decode launch whose programs fit one to an SM now reserves
-more than half an SM's shared memory (``decode_triton.py``; fifty-seventh session): with a PDL kernel behind it the
-layer takes what it takes with an ordinary one. o_proj stays cuBLAS's all the same: as ``linear_group`` behind the
-reserving decode kernel it still made the batch-8 step slower (1.348 -> 1.371 ms; it ends 7.2 us after the decode
-kernel, cuBLAS's 5.8), though batch 1 faster (1.011 -> 0.996 ms).
+Every kernel lets the next one launch right after its wait, so that the next one's launch and set-up overlap as
+much of it as possible. The kernel after the decode kernel (o_proj, cuBLAS's) launches the ordinary way. Why, on an
+H200 (the 1B hybrid's decode step at 8 x 32k as a CUDA graph; bench/NOTES.md, fifty-first to fifty-seventh
+sessions): a PDL kernel behind the decode kernel made the hardware place its 128 programs two to an SM on up to 60
+SMs, leaving up to 64 idle, and the launch took 22.7 us instead of 18.4 (+104 us a step even for a PDL kernel of one
+program that only waits; ``bench/pdl_edge.py`` reproduces it at one layer). The kernel's 186 registers and 64 KB
+allow two programs an SM, so a decode launch whose programs fit one to an SM now reserves more than half an SM's
+shared memory (``decode_triton.py``): with a PDL kernel behind it the layer takes what it takes with an ordinary
+one. o_proj stays cuBLAS's all the same: as ``linear_group`` behind the reserving decode kernel it still made the
+batch-8 step slower (1.348 -> 1.371 ms; it ends 7.2 us after the decode kernel, cuBLAS's 5.8), though batch 1
+faster (1.011 -> 0.996 ms). Until that reservation, the cache append let the decode kernel launch only at its end
+(launching it at the append's start made the decode launches 18.6 -> 23.0 us, the same doubling); with it, at its
+start: the batch-8 step 1.334 / 1.335 -> 1.328 / 1.329 ms (fifty-seventh session).
 
 ``S2_ATTENTION_PDL=0`` launches every kernel the ordinary way.
 """
@@ -79,17 +73,3 @@ def wait_for_preceding_kernel(PDL: tl.constexpr):
         gdc_wait()
         gdc_launch_dependents()
 
-
-@triton.jit
-def wait_for_preceding_kernel_alone(PDL: tl.constexpr):
-    """``wait_for_preceding_kernel`` without letting the next kernel launch: the kernel calls
-    ``launch_next_kernel`` itself, at its end (see the module docstring)."""
-    if PDL:
-        gdc_wait()
-
-
-@triton.jit
-def launch_next_kernel(PDL: tl.constexpr):
-    """Let the next kernel launch, once every program of this one has called this."""
-    if PDL:
-        gdc_launch_dependents()
