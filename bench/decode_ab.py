@@ -1,15 +1,15 @@
 """The decode kernel (kernels/decode_triton.py) against other versions of that file, at one layer's launches (GPU).
 
 Each version's ``decode_attention_triton`` runs over full compact caches of ``bench_generation.py``'s 1B hybrid
-(batch x context of ``--shapes``), at each launch shape of ``--tiles`` (keys per tile x warps x pipeline stages)
-and each split count of ``--splits`` (``auto``: the version's own heuristic). Every timing is a CUDA graph over
-``bench_generation.full_caches`` (distinct caches of >= 400 MB in all, so that the L2 cache serves none of them),
-the arms alternated ``--rounds`` times in one process; bandwidth counts the K and V bytes read, as a fraction
-of this run's copy ceiling. A shape ``BxT+S`` gives each row ``S`` slots it does not fill (a static cache's rows,
-with other strides); ``--query-tokens`` times chunks (speculative decoding's verify chunks) instead of one-token
-steps. Each arm's output is compared with the first version's at its first launch shape (a
-timing-only variant shows up as a large difference). The other versions are copies of ``decode_triton.py``, loaded as
-modules of ``s2_models.kernels`` so that their relative imports resolve::
+(batch x context of ``--shapes``), at each launch shape of ``--tiles`` (keys per tile x warps x pipeline stages;
+``auto``: the version's own choice) and each split count of ``--splits`` (``auto``: the version's own heuristic).
+Every timing is a CUDA graph over ``bench_generation.full_caches`` (distinct caches of >= 400 MB in all, so that the
+L2 cache serves none of them), the arms alternated ``--rounds`` times in one process; bandwidth counts the K and V
+bytes read, as a fraction of this run's copy ceiling. A shape ``BxT+S`` gives each row ``S`` slots it does not fill
+(a static cache's rows, with other strides); ``--query-tokens`` times chunks (speculative decoding's verify chunks)
+instead of one-token steps. Each arm's output is compared with the first version's at its first launch shape (a
+timing-only variant shows up as a large difference). The other versions are copies of ``decode_triton.py``, loaded
+as modules of ``s2_models.kernels`` so that their relative imports resolve::
 
     git show HEAD~1:kernels/decode_triton.py > .gpu/decode_before.py
     python bench/decode_ab.py --version before=.gpu/decode_before.py --out $OUT/decode_ab.json
@@ -54,7 +54,8 @@ def sparse_layout():
 
 def launch(module, setup, layout, tiles, splits, k, v):
     return module.decode_attention_triton(setup["q"], k, v, setup["seq_lens"], layout, setup["num_ring"],
-                                          SHAPES["head_dim"] ** -0.5, splits, tiles=module.DecodeTiles(*tiles),
+                                          SHAPES["head_dim"] ** -0.5, splits,
+                                          tiles=None if tiles is None else module.DecodeTiles(*tiles),
                                           split_counters=setup["split_counters"])
 
 
@@ -62,7 +63,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--version", action="append", default=[], help="name=path of a decode_triton.py copy")
-    parser.add_argument("--tiles", default="128x4x3", help="comma-separated keys x warps x stages")
+    parser.add_argument("--tiles", default="128x4x3",
+                        help="comma-separated keys x warps x stages; auto: the version's own choice")
     parser.add_argument("--splits", default="auto", help="comma-separated split counts; auto: the heuristic")
     parser.add_argument("--shapes", default="8x32768,8x4096,8x16384,1x32768,8x131072,32x32768",
                         help="comma-separated batch x context, each optionally +S: S spare slots a row (unread)")
@@ -74,7 +76,7 @@ def main():
     args = parser.parse_args()
     versions = {"head": decode_triton} | {name: load_version(path) for name, path in
                                           (v.split("=", 1) for v in args.version)}
-    tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",")]
+    tiles = [None if t == "auto" else tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",")]
     splits = [None if s == "auto" else int(s) for s in args.splits.split(",")]
     arms = list(itertools.product(versions, tiles, splits))
     layout = sparse_layout()
@@ -140,7 +142,7 @@ def measure_shape(versions, arms, layout, batch, length, spare_slots, query_toke
     row = {"bytes": setup["bytes"], "arms": {}}
     for name, tile, split in arms:
         out = launch(versions[name], setup, layout, tile, split, k0, v0).float()
-        row["arms"][f"{name} {'x'.join(map(str, tile))} splits={split or 'auto'}"] = {
+        row["arms"][f"{name} {'x'.join(map(str, tile or ['auto']))} splits={split or 'auto'}"] = {
             "max_abs_diff_vs_head": (out - reference).abs().max().item(), "us": []}
     for _ in range(rounds):
         for (name, tile, split), arm in zip(arms, row["arms"].values()):

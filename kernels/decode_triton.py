@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -360,6 +360,27 @@ def _num_sms(device_index: int) -> int:
 
 
 @functools.lru_cache(maxsize=8)
+def _gpu_name(device_index: int) -> str:
+    return torch.cuda.get_device_name(device_index)
+
+
+# GPUs whose launches of one program an SM over more than half the SMs were measured faster with a fourth pipeline
+# stage (the name's words, so that "H200" does not match "GH200")
+FOUR_STAGE_GPUS = frozenset({"H200"})
+
+
+def _default_num_stages(programs: int, num_sms: int, gpu_name: str) -> int:
+    """Pipeline stages of a launch whose shape the caller left to the launcher. On an H200 (fifty-eighth session,
+    bench/NOTES.md), with each program alone on its SM: a fourth stage at batch 8 from 16k to 128k (128 programs)
+    1.8-2.6% faster (8 x 32k 18.21 -> 17.73 us), at batch 1 (64 programs) 1.7-2.4% slower. On an H100 three were
+    the fastest at batch 8 (thirty-second session), so other GPUs keep ``DecodeTiles``' three."""
+    fits_one_an_sm = num_sms // 2 < programs <= num_sms
+    if fits_one_an_sm and FOUR_STAGE_GPUS & set(gpu_name.split()):
+        return 4
+    return DecodeTiles.num_stages
+
+
+@functools.lru_cache(maxsize=8)
 def _shared_memory_of_one_program_an_sm(device_index: int) -> int:
     """Bytes of shared memory a program must reserve so that no SM can hold two: over half an SM's."""
     return torch.cuda.get_device_properties(device_index).shared_memory_per_multiprocessor // 2 + 1
@@ -381,9 +402,9 @@ def _choose_num_splits(programs: int, num_tiles: int, device: torch.device) -> i
 class DecodeTiles:
     """Launch shape of ``s2_decode_fwd_kernel``: keys per iteration, warps, software-pipelining depth. The default
     is the fastest of ``bench/decode_ab.py``'s sweep on an H100 at every shape measured but 32 x 32k, where a fourth
-    stage is 0.6% faster; at batch 8, 32k it reads 0.749 of the copy bandwidth. On an H200 a fourth stage is 2.5%
-    faster at batch 8, 32k (0.656 against 0.640) and slower at 1 x 32k and 32 x 32k (bench/NOTES.md, thirty-second
-    and forty-sixth sessions)."""
+    stage is 0.6% faster; at batch 8, 32k it reads 0.749 of the copy bandwidth. On an H200 a fourth stage is faster
+    where the programs run one an SM over more than half the SMs, and the launcher then takes it when it is given
+    no shape (``_default_num_stages``; bench/NOTES.md, thirty-second, forty-sixth and fifty-eighth sessions)."""
 
     block_n: int = 128
     num_warps: int = 4
@@ -403,6 +424,7 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
     num_slots = k_cache.shape[2] // bs
     pattern = layout.pattern
     tables = layout.tables(q.device)
+    stages_follow_launch = tiles is None
     tiles = tiles or DecodeTiles()
     block_d = max(16, next_power_of_2(d))
     block_n = max(bs, tiles.block_n)
@@ -445,6 +467,9 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
     # bench/NOTES.md, fifty-sixth and fifty-seventh sessions). More programs than SMs run faster two an SM (32 x 32k:
     # 50.7 against 54.9 us reserved). The first launch of each compiled variant runs before the reservation is made.
     one_program_an_sm = q.device.type == "cuda" and math.prod(grid) <= _num_sms(q.device.index)
+    if stages_follow_launch and q.device.type == "cuda":
+        index = q.device.index
+        tiles = replace(tiles, num_stages=_default_num_stages(math.prod(grid), _num_sms(index), _gpu_name(index)))
     launch = functools.partial(
         s2_decode_fwd_kernel[grid],
         q, k_cache, v_cache, seq_lens, tables.residues, tables.rank, tables.counts, out, partial, lse, split_counters,

@@ -47,6 +47,9 @@ def test_loaded_copy_runs_like_the_package(tmp_path):
         setup = {"q": q, "seq_lens": seq_lens, "num_ring": num_ring, "split_counters": counters}
         assert torch.equal(decode_ab.launch(module, setup, layout, (64, 2, 1), 3, k, v), expected)
         assert counters is None or not counters.any()
+    auto = decode_triton.decode_attention_triton(q, k, v, seq_lens, layout, num_ring, scale, 3)  # --tiles auto
+    setup["split_counters"] = None
+    assert torch.equal(decode_ab.launch(module, setup, layout, None, 3, k, v), auto)
     assert decode_ab.compiled_variants(module) == []  # the interpreter compiles nothing; on a GPU, one entry a variant
 
 

@@ -475,6 +475,39 @@ def test_decode_launches_of_one_program_an_sm_reserve_over_half_its_shared_memor
     assert launched[-1].packed_metadata[2] == launched[-1].metadata.shared
 
 
+@pytest.mark.gpu
+def test_decode_launch_left_to_the_launcher_takes_the_measured_pipeline_depth(monkeypatch):
+    """Without ``tiles`` the launcher picks the stages by ``_default_num_stages`` (on an H200, four at 8 rows x 8 KV
+    heads x 2 splits: 128 programs, one an SM over more than half the SMs), and the outputs stay PyTorch's."""
+    stages = []
+    launch_within_shared_memory = decode_triton.launch_within_shared_memory
+
+    def record_launch(launch, num_stages, **kwargs):
+        stages.append(num_stages)
+        return launch_within_shared_memory(launch, num_stages, **kwargs)
+
+    monkeypatch.setattr(decode_triton, "launch_within_shared_memory", record_launch)
+    _check_triton_on_gpu(torch.bfloat16, 1, 64, hkv=8, t=6000, seq_lens=[6000] * 8, tolerance=2e-2)
+    properties = torch.cuda.get_device_properties(0)
+    assert stages == [decode_triton._default_num_stages(128, properties.multi_processor_count, properties.name)]
+    if "H200" in properties.name.split():
+        assert stages == [4]
+
+
+def test_pipeline_depth_follows_the_launch_only_where_it_was_measured():
+    """Four stages on an H200 where the programs run one an SM over more than half of its 132 SMs; three at batch 1's
+    64 programs, beyond one an SM, and on GPUs where four were not measured faster (an H100; a GH200 is not an H200)."""
+    h200 = "NVIDIA H200"
+    assert decode_triton._default_num_stages(128, 132, h200) == 4  # batch 8 x 8 KV heads x 2 splits
+    assert decode_triton._default_num_stages(67, 132, h200) == 4
+    assert decode_triton._default_num_stages(66, 132, h200) == 3  # half the SMs
+    assert decode_triton._default_num_stages(64, 132, h200) == 3  # batch 1 x 8 KV heads x 8 splits
+    assert decode_triton._default_num_stages(133, 132, h200) == 3  # two an SM somewhere
+    assert decode_triton._default_num_stages(128, 132, "NVIDIA H100 80GB HBM3") == 3
+    assert decode_triton._default_num_stages(128, 132, "NVIDIA GH200 480GB") == 3
+    assert decode_triton._default_num_stages(128, 132, "NVIDIA H200 NVL") == 4
+
+
 def test_split_count_aims_at_one_program_per_sm(monkeypatch):
     """The H100 launches the split rule was measured at (132 SMs; programs = batch x KV heads; 128-key tiles)."""
     monkeypatch.setattr(decode_triton, "_num_sms", lambda index: 132)
