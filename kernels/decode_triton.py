@@ -466,10 +466,11 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, layout: CompactLayout
     # launch at 8 x 32k, none with the reservation; alone it changes nothing measurable, 18.2 against 18.3 us;
     # bench/NOTES.md, fifty-sixth and fifty-seventh sessions). More programs than SMs run faster two an SM (32 x 32k:
     # 50.7 against 54.9 us reserved). The first launch of each compiled variant runs before the reservation is made.
-    one_program_an_sm = q.device.type == "cuda" and math.prod(grid) <= _num_sms(q.device.index)
-    if stages_follow_launch and q.device.type == "cuda":
-        index = q.device.index
-        tiles = replace(tiles, num_stages=_default_num_stages(math.prod(grid), _num_sms(index), _gpu_name(index)))
+    num_programs, on_gpu = math.prod(grid), q.device.type == "cuda"
+    num_sms = _num_sms(q.device.index) if on_gpu else 0
+    one_program_an_sm = on_gpu and num_programs <= num_sms
+    if stages_follow_launch and on_gpu:
+        tiles = replace(tiles, num_stages=_default_num_stages(num_programs, num_sms, _gpu_name(q.device.index)))
     launch = functools.partial(
         s2_decode_fwd_kernel[grid],
         q, k_cache, v_cache, seq_lens, tables.residues, tables.rank, tables.counts, out, partial, lse, split_counters,
