@@ -350,7 +350,8 @@ DECODE_SPLITS = (None, 1, 2, 4, 8, 16)  # None: the launcher's heuristic
 
 def kernel_bandwidth(sparse, batch, length):
     """The decode kernel over the static cache ``generate(cache_implementation="static")`` decodes from, per layer
-    kind (the sparse layers' compact caches; the dense layers, which hold every token), for every launch shape.
+    kind (the sparse layers' compact caches; the dense layers, which hold every token), for every launch shape and
+    the launcher's own choice (``default``: what the model runs).
     Each timing is a CUDA graph over all layers of the kind in turn (so the L2 cache does not serve the reads and
     launch overhead stays out); bandwidth counts the K and V bytes of the filled slots, against the copy ceiling
     measured in this run. Returns the best shape per kind and what the whole step's attention then costs."""
@@ -367,24 +368,25 @@ def kernel_bandwidth(sparse, batch, length):
                                         layout=first.layout, num_ring_slots=first.num_ring, backend="torch")
         read = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in layers)  # K and V
         configs = []
-        for tiles, splits in ((t, s) for t in DECODE_TILES for s in DECODE_SPLITS):
+        for tiles, splits in ((t, s) for t in (None, *DECODE_TILES) for s in DECODE_SPLITS):  # None: the launcher's
             def run_all(tiles=tiles, splits=splits, layers=layers):
                 for layer in layers:
                     decode_attention_triton(q, layer.keys, layer.values, layer.seq_lens, layer.layout, layer.num_ring,
                                             scale, splits, tiles, split_counters=layer.split_counters)
 
+            shape = {"tiles": "auto"} if tiles is None else asdict(tiles)
             try:
                 seconds = graph_seconds(run_all, calls=2)
                 check = decode_attention_triton(q, first.keys, first.values, first.seq_lens, first.layout,
                                                 first.num_ring, scale, splits, tiles)
-                configs.append({**asdict(tiles), "num_splits": splits, "us_per_layer": seconds / len(layers) * 1e6,
+                configs.append({**shape, "num_splits": splits, "us_per_layer": seconds / len(layers) * 1e6,
                                 "TBps": read / seconds / 1e12, "fraction_of_copy_bandwidth": read / seconds / copy_bw,
                                 "max_error_vs_torch": (check.float() - reference).abs().max().item()})
             except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for one shape; record and go on
-                configs.append({**asdict(tiles), "num_splits": splits, "error": f"{type(e).__name__}: {e}"[:300]})
+                configs.append({**shape, "num_splits": splits, "error": f"{type(e).__name__}: {e}"[:300]})
         timed_configs = [c for c in configs if "us_per_layer" in c]
-        default = next(c for c in timed_configs if c["num_splits"] is None and DecodeTiles(
-            c["block_n"], c["num_warps"], c["num_stages"]) == DecodeTiles())
+        # what the model runs: the launcher's own shape and split count (on an H200 its stages follow the launch)
+        default = next(c for c in timed_configs if c.get("tiles") == "auto" and c["num_splits"] is None)
         results[kind] = {"layers": len(layers), "bytes_read_per_layer": read // len(layers), "default": default,
                          "best": min(timed_configs, key=lambda c: c["us_per_layer"]), "configs": configs}
     results["step_attention_us"] = {
