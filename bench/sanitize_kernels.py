@@ -1,7 +1,7 @@
 """Run every Triton kernel once on small odd shapes, for compute-sanitizer (memcheck): no out-of-bounds access.
 
 Attention (forward, backward, varlen), decode and cache append, and the fused RMSNorm / SwiGLU / rotary / rotary
-tables / decode projections.
+tables / decode projections (on compute capability 9.0 also the Gluon ones, ``--hopper-projections-only`` alone).
 
 On compute capability 9.0 the warp-specialized Gluon forward (``hopper_fwd.py``), the split-group dk/dv, the Gluon dq
 and dk/dv (``hopper_bwd.py``) run too, forced, on their own cases. The tuner is off unless ``S2_ATTENTION_AUTOTUNE``
@@ -133,6 +133,21 @@ def hopper_kernels() -> None:
                          max_seqlen_k=t).float().sum().backward()
 
 
+def hopper_projections() -> None:
+    """The Gluon decode projections (``hopper_linear``, which ``linear_group`` runs inside CUDA graph captures),
+    called directly: odd token counts, K ending inside a step (296, 4104) or one narrow step (64), odd widths, one
+    to three weights, the residual add."""
+    from s2_models.kernels import hopper_linear
+
+    for dtype in (torch.bfloat16, torch.float16):
+        for tokens, k in ((5, 296), (1, 4104), (8, 64)):
+            x = torch.randn(tokens, k, device=DEVICE, dtype=dtype)
+            weights = [torch.randn(n, k, device=DEVICE, dtype=dtype) for n in (50, 33, 70)]
+            hopper_linear.linear_group(x, weights, [x.new_empty(tokens, w.shape[0]) for w in weights], None)
+            hopper_linear.linear_group(x, weights[:1], [x.new_empty(tokens, 50)],
+                                       torch.randn(tokens, 50, device=DEVICE, dtype=dtype))
+
+
 def hopper_forward() -> None:
     """The Gluon forward alone, forced: the Hopper cases and a block-128 one, each also with Tq < Tk (its first tile
     partly before the first query: masked stores) and packed (an empty sequence, a tile across a boundary)."""
@@ -153,16 +168,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hopper-forward-only", action="store_true",
                         help="only the Gluon forward (compute capability 9.0)")
+    parser.add_argument("--hopper-projections-only", action="store_true",
+                        help="only the Gluon decode projections (compute capability 9.0)")
     args = parser.parse_args()
     on_hopper = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
-    if args.hopper_forward_only:
+    if args.hopper_forward_only or args.hopper_projections_only:
         if not on_hopper:
-            raise SystemExit("--hopper-forward-only needs a GPU of compute capability 9.0")
-        hopper_forward()
+            raise SystemExit("--hopper-forward-only and --hopper-projections-only need compute capability 9.0")
+        if args.hopper_forward_only:
+            hopper_forward()
+        else:
+            hopper_projections()
     else:
         portable_kernels()
         if on_hopper:
             hopper_kernels()
+            hopper_projections()
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     print("sanitize run complete")

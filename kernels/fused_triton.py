@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import hopper_linear
 from .dependent_launch import launch_options, wait_for_preceding_kernel
 from .triton_setup import launch_within_shared_memory, next_power_of_2, tl, triton
 
@@ -306,7 +307,8 @@ def rotary_tables_fwd(position_ids: torch.Tensor, inv_freq: torch.Tensor, scalin
 # this size cuBLAS's kernels reach ~1.5 TB/s on an H100 for the 8 MB projections. One launch for q, k and v together,
 # one for gate and up with SwiGLU fused, and down's adds the decoder layer's residual (bench/NOTES.md has the
 # measurements). A program holds all tokens in one 16-row tile (the smallest tl.dot tile): up to 16 tokens
-# (``fused.MAX_DECODE_TOKENS``).
+# (``fused.MAX_DECODE_TOKENS``). On Hopper, inside CUDA graph captures, ``linear_group_fwd`` runs the Gluon kernel of
+# ``hopper_linear.py`` instead (a TMA producer warp; up to 8 tokens).
 
 
 @dataclass(frozen=True)
@@ -451,6 +453,12 @@ def linear_group_fwd(x: torch.Tensor, weights: list[torch.Tensor], residual: tor
     ``tiles`` overrides the default launch shape (``bench/projection_ab.py`` sweeps it)."""
     m, k = x.shape
     outs = [x.new_empty((m, w.shape[0])) for w in weights]
+    # On Hopper, while a CUDA graph is captured (a static cache's decode steps), the Gluon kernel: its producer warp
+    # reads the weights 1.1-1.3x faster. Its launch costs ~0.1 ms of host time (TMA descriptors), which a graph pays
+    # once and an eager step at every call (bench/NOTES.md, fifty-ninth session), so eager calls stay here.
+    if tiles is None and x.is_cuda and torch.cuda.is_current_stream_capturing() and hopper_linear.supported(x, weights):
+        hopper_linear.linear_group(x, weights, outs, residual)
+        return outs
     tiles = tiles or _default_skinny_tiles(x, loops=len(weights), weights_per_loop=1, max_stages=5)
     num_tiles = [triton.cdiv(w.shape[0], tiles.block_n) for w in weights]
     # Three slots: unused ones repeat the first weight (their branches are not compiled).

@@ -435,6 +435,46 @@ def test_default_projection_shapes_fit_hopper_shared_memory():
     assert all(shared <= 232448 for *_, shared in launches), launches
 
 
+_COMPILE_HOPPER_PROJECTIONS = """
+import sys
+import torch
+sys.path.insert(0, "bench")
+from hopper_fwd_offline import _CompileOnlyDriver
+from triton.runtime import driver
+driver.set_active(_CompileOnlyDriver())
+from s2_models.kernels import hopper_linear
+kernel, launches = hopper_linear.skinny_linear_ws_kernel, []
+class Warmup:
+    def __getitem__(self, grid):
+        return lambda *a, **kw: launches.append((kw["STAGES"], kernel.warmup(*a, grid=grid, **kw).metadata.shared))
+hopper_linear.skinny_linear_ws_kernel = Warmup()
+hopper_linear.launch_options = lambda device: {"PDL": True, "launch_pdl": True}
+for k, widths in ((2048, (2048, 512, 512)), (8192, (2048,)), (64, (40,))):
+    x = torch.empty(8, k, dtype=torch.bfloat16)
+    weights = [torch.empty(n, k, dtype=torch.bfloat16) for n in widths]
+    outs = [torch.empty(8, n, dtype=torch.bfloat16) for n in widths]
+    residual = torch.empty(8, widths[0], dtype=torch.bfloat16) if len(widths) == 1 else None
+    hopper_linear.linear_group(x, weights, outs, residual)
+print(repr(launches))
+"""
+
+
+def test_hopper_projections_compile_for_sm90():
+    """The Gluon projections at the 1B model's q/k/v and down and at a narrow width, compiled for sm_90 by the
+    installed Triton (offline, no GPU): they compile, and fit the 227 KB a Hopper program may use."""
+    from s2_models.kernels import hopper_linear
+
+    if not hopper_linear.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _COMPILE_HOPPER_PROJECTIONS], capture_output=True, text=True,
+                            env=env, cwd=Path(__file__).resolve().parents[1], timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    launches = eval(result.stdout.strip().splitlines()[-1])  # noqa: S307 (our own subprocess's repr)
+    assert [stages for stages, _ in launches] == [4, 8, 4]
+    assert all(shared <= 232448 for _, shared in launches), launches
+
+
 # ---------------------------------------------------------------------------------------------- the ops
 def test_custom_ops_pass_opcheck():
     """Schemas, fake (meta) implementations and registered autograd agree with the kernels (torch.compile needs
@@ -629,6 +669,45 @@ def test_fused_kernels_on_the_gpu_at_model_sizes(dtype):
     with torch.no_grad():  # the decoder layer's closing add in down's launch: PyTorch's sum, bit for bit
         assert torch.equal(linear_group(hidden, [down], residual=residual)[0],
                            residual + linear_group(hidden, [down])[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_hopper_projections_on_the_gpu(dtype):
+    """The Gluon projections (``hopper_linear``, which ``linear_group`` runs on sm_90 for up to 8 tokens inside CUDA
+    graphs): odd output widths (tiles the weight's rows end inside), widths K that end inside a step or take one
+    narrow step, 1 to 3 weights, 1 to 8 tokens, the residual add; within tolerance of PyTorch in float64, every output
+    written (they start as NaN), and ``linear_group`` captured in a graph replays this kernel's outputs bit for bit."""
+    from s2_models.kernels import hopper_linear
+
+    if not hopper_linear.is_sm90(torch.device("cuda")):
+        pytest.skip("the Gluon projections are written for compute capability 9.0")
+
+    def gluon_projections(x_, *ws, residual=None):
+        outs = [torch.full((x_.shape[0], w.shape[0]), float("nan"), device="cuda", dtype=dtype) for w in ws]
+        hopper_linear.linear_group(x_, list(ws), outs, residual)
+        return tuple(outs)
+
+    for width in (64, 200, 2056, 8192):
+        weights = [torch.randn(n, width, device="cuda", dtype=dtype) / width**0.5 for n in (333, 40, 72)]
+        for tokens in (1, 5, hopper_linear.MAX_TOKENS):
+            x = torch.randn(tokens, width, device="cuda", dtype=dtype)
+            assert hopper_linear.supported(x, weights)
+            for count in (1, 3):
+                assert_matches_llama(gluon_projections, lambda x_, *ws: tuple(torch.nn.functional.linear(x_, w)
+                                                                              for w in ws), (x, *weights[:count]))
+            residual = torch.randn(tokens, 333, device="cuda", dtype=dtype)
+            assert_matches_llama(lambda x_, w_, r_: gluon_projections(x_, w_, residual=r_)[0],
+                                 lambda x_, w_, r_: r_ + torch.nn.functional.linear(x_, w_), (x, weights[0], residual))
+            assert torch.equal(gluon_projections(x, weights[0], residual=residual)[0],
+                               residual + gluon_projections(x, weights[0])[0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        captured = linear_group(x, weights)
+    graph.replay()
+    assert all(torch.equal(mine, theirs) for mine, theirs in zip(captured, gluon_projections(x, *weights)))
+    nine = torch.randn(hopper_linear.MAX_TOKENS + 1, 2048, device="cuda", dtype=dtype)
+    assert not hopper_linear.supported(nine, [torch.randn(64, 2048, device="cuda", dtype=dtype)])
 
 
 @pytest.mark.gpu
