@@ -33,7 +33,7 @@ import torch
 
 from .dependent_launch import launch_options
 from .hopper_fwd import is_sm90
-from .triton_setup import next_power_of_2, triton  # noqa: F401 (a clear error where Triton is missing)
+from .triton_setup import next_power_of_2, triton
 
 try:  # Gluon is experimental: its absence (or a changed API) only removes this kernel
     from triton.experimental import gluon
@@ -60,7 +60,7 @@ def supported(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
     return (
         AVAILABLE and x.is_cuda and x.dtype in _GL_DTYPES and 1 <= m <= MAX_TOKENS and k >= 64 and k % 8 == 0
         and all(w.dtype == x.dtype for w in weights)
-        and all(t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0 for t in (x, *weights))
+        and all(t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0 for t in (x, *weights))  # 16-byte rows
         and is_sm90(x.device)
     )
 
@@ -138,8 +138,8 @@ if AVAILABLE:
         sums.slice(part * BLOCK_N, BLOCK_N, dim=0).store(acc)
 
     @gluon.jit
-    def _wait_in_default_partition():
-        pass
+    def _idle_default_partition():
+        """The kernel's own 4 warps have nothing to do until the partitions join (then they add the sums)."""
 
     @gluon.jit
     def skinny_linear_ws_kernel(x_desc, w0_desc, w1_desc, w2_desc, o0, o1, o2, r0, M, N0, N1, N2, K, tiles0, tiles01,
@@ -162,7 +162,7 @@ if AVAILABLE:
             mbarrier.init(free.index(s), count=_CONSUMERS)
         gl.warp_specialize(
             [
-                (_wait_in_default_partition, ()),
+                (_idle_default_partition, ()),
                 (_load_partition, (x_desc, w0_desc, w1_desc, w2_desc, x_bufs, w_bufs, ready, free, weight,
                                    tile * BLOCK_N, K, PDL, STAGES)),
                 (_product_partition, (x_bufs, w_bufs, ready, free, sums, K, 0, STAGES)),
@@ -178,7 +178,8 @@ if AVAILABLE:
         acc = gl.zeros([BLOCK_N, _TOKENS], gl.float32, layout)
         for c in gl.static_range(_CONSUMERS):
             acc += sums.slice(c * BLOCK_N, BLOCK_N, dim=0).load(layout)
-        _grid_dependency(PDL)  # (long passed: the loader waited before any x arrived) orders this partition's stores
+        _grid_dependency(PDL)  # returns at once (the loader waited before any x came): this partition's own
+        # wait, so that its stores follow the preceding kernel's end in its own program order too
         cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))  # [BLOCK_N] output columns
         tokens = gl.arange(0, _TOKENS, layout=gl.SliceLayout(0, layout))
         if weight == 0:
