@@ -454,8 +454,9 @@ def linear_group_fwd(x: torch.Tensor, weights: list[torch.Tensor], residual: tor
     m, k = x.shape
     outs = [x.new_empty((m, w.shape[0])) for w in weights]
     # On Hopper, while a CUDA graph is captured (a static cache's decode steps), the Gluon kernel: its producer warp
-    # reads the weights 1.1-1.3x faster. Its launch costs ~0.1 ms of host time (TMA descriptors), which a graph pays
-    # once and an eager step at every call (bench/NOTES.md, fifty-ninth session), so eager calls stay here.
+    # reads the weights 1.1-1.3x faster. Its launch costs ~0.1 ms of host time (Triton binding its arguments and TMA
+    # descriptors), which a graph pays once and an eager step at every call (bench/NOTES.md, fifty-ninth session), so
+    # eager calls stay here.
     if tiles is None and x.is_cuda and torch.cuda.is_current_stream_capturing() and hopper_linear.supported(x, weights):
         hopper_linear.linear_group(x, weights, outs, residual)
         return outs
