@@ -166,10 +166,11 @@ def hopper_forward() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hopper-forward-only", action="store_true",
-                        help="only the Gluon forward (compute capability 9.0)")
-    parser.add_argument("--hopper-projections-only", action="store_true",
-                        help="only the Gluon decode projections (compute capability 9.0)")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--hopper-forward-only", action="store_true",
+                      help="only the Gluon forward (compute capability 9.0)")
+    only.add_argument("--hopper-projections-only", action="store_true",
+                      help="only the Gluon decode projections (compute capability 9.0)")
     args = parser.parse_args()
     on_hopper = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
     if args.hopper_forward_only or args.hopper_projections_only:
