@@ -16,18 +16,19 @@ before it (the decode kernel's slot tables). Kernels launched the ordinary way (
 whole of the kernel before them, as always.
 
 Every kernel lets the next one launch right after its wait, so that the next one's launch and set-up overlap as
-much of it as possible. The kernel after the decode kernel (o_proj, cuBLAS's) launches the ordinary way. Why, on an
-H200 (the 1B hybrid's decode step at 8 x 32k as a CUDA graph; bench/NOTES.md, fifty-first to fifty-seventh
-sessions): a PDL kernel behind the decode kernel made the hardware place its 128 programs two to an SM on up to 60
-SMs, leaving up to 64 idle, and the launch took 22.7 us instead of 18.4 (+104 us a step even for a PDL kernel of one
-program that only waits; ``bench/pdl_edge.py`` reproduces it at one layer). The kernel's 186 registers and 64 KB
-allow two programs an SM, so a decode launch whose programs fit one to an SM now reserves more than half an SM's
-shared memory (``decode_triton.py``): with a PDL kernel behind it the layer takes what it takes with an ordinary
-one. o_proj stays cuBLAS's all the same: as ``linear_group`` behind the reserving decode kernel it still made the
-batch-8 step slower (1.348 -> 1.371 ms; it ends 7.2 us after the decode kernel, cuBLAS's 5.8), though batch 1
-faster (1.011 -> 0.996 ms). Until that reservation, the cache append let the decode kernel launch only at its end
-(launching it at the append's start made the decode launches 18.6 -> 23.0 us, the same doubling); with it, at its
-start: the batch-8 step 1.334 / 1.335 -> 1.328 / 1.329 ms (fifty-seventh session).
+much of it as possible. A PDL kernel behind the decode kernel once made the hardware place the decode kernel's 128
+programs two to an SM on up to 60 SMs, leaving up to 64 idle, and the launch took 22.7 us instead of 18.4 (the 1B
+hybrid's decode step at 8 x 32k on an H200 as a CUDA graph: +104 us a step even for a PDL kernel of one program
+that only waits; bench/NOTES.md, fifty-first to fifty-seventh sessions; ``bench/pdl_edge.py`` reproduces it at one
+layer). The kernel's 186 registers and 64 KB allow two programs an SM, so a decode launch whose programs fit one to
+an SM now reserves more than half an SM's shared memory (``decode_triton.py``): with a PDL kernel behind it the
+layer takes what it takes with an ordinary one. The kernel behind it is o_proj: in captured decode steps on sm_90
+the Gluon projection (``hopper_linear.py``) with PDL, whose weight copies start before its wait (the step at batch
+8 1.241 -> 1.202 ms against cuBLAS's; 1.229 launched the ordinary way; sixtieth session); elsewhere cuBLAS's, the
+ordinary way (this package's Triton projection there made the batch-8 step slower: 1.348 -> 1.371 ms, fifty-seventh
+session). Until that reservation, the cache append let the decode kernel launch only at its end (launching it at the
+append's start made the decode launches 18.6 -> 23.0 us, the same doubling); with it, at its start: the batch-8
+step 1.334 / 1.335 -> 1.328 / 1.329 ms (fifty-seventh session).
 
 ``S2_ATTENTION_PDL=0`` launches every kernel the ordinary way.
 """

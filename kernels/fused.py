@@ -12,6 +12,7 @@ elsewhere; the results agree with those functions to rounding (see ``fused_trito
     q, k, v = linear_group(x, [w_q, w_k, w_v])        # decode steps (<= 16 tokens, no gradient): x @ w.T each,
     h = linear_swiglu(x, w_gate, w_up)                # one launch; silu(x @ w_gate.T) * (x @ w_up.T)
     (y,) = linear_group(h, [w_down], residual=r)      # r + h @ w_down.T, the add in the product's store
+    (o,) = linear_group(a, [w_o], after_decode_attention=True)  # o_proj behind the decode attention kernel
 
 Each op is a ``torch.library.custom_op`` with a fake implementation (and, but for the inference-only projections,
 registered autograd), so ``torch.compile(fullgraph=True)`` traces it as one node and a CUDA graph captures it. Only
@@ -131,12 +132,14 @@ def rotary_tables(position_ids: torch.Tensor, inv_freq: torch.Tensor, attention_
     return rotary_tables_op(position_ids.contiguous(), inv_freq.contiguous(), float(attention_scaling), dtype)
 
 
-def linear_group(x: torch.Tensor, weights: list[torch.Tensor],
-                 residual: torch.Tensor | None = None) -> list[torch.Tensor]:
+def linear_group(x: torch.Tensor, weights: list[torch.Tensor], residual: torch.Tensor | None = None,
+                 after_decode_attention: bool = False) -> list[torch.Tensor]:
     """``[x @ w.T for w in weights]`` in one launch, for 1 to 3 weights ``[N_i, K]`` and at most
     ``MAX_DECODE_TOKENS`` tokens in ``x [..., K]`` (no autograd: inference only). ``residual [..., N]`` (one weight
     ``[N, K]``, x's dtype): returns ``[residual + x @ w.T]``, rounded exactly as PyTorch computes that sum (a
-    decoder layer's closing residual add, without a launch of its own)."""
+    decoder layer's closing residual add, without a launch of its own). ``after_decode_attention``: ``x`` is the
+    decode attention kernel's output (o_proj), which picks the launch that is fastest behind that kernel
+    (``fused_triton.linear_group_fwd``)."""
     rows = _decode_rows(x, weights)
     if residual is not None:
         expected = (*x.shape[:-1], weights[0].shape[0])
@@ -144,7 +147,8 @@ def linear_group(x: torch.Tensor, weights: list[torch.Tensor],
             raise ValueError(f"residual must come with one weight and be {list(expected)} in {x.dtype}, got "
                              f"{len(weights)} weights and residual {list(residual.shape)} {residual.dtype}")
         residual = _unit_stride(residual.reshape(-1, expected[-1]))
-    return [out.view(*x.shape[:-1], out.shape[-1]) for out in linear_group_op(rows, list(weights), residual)]
+    outs = linear_group_op(rows, list(weights), residual, after_decode_attention)
+    return [out.view(*x.shape[:-1], out.shape[-1]) for out in outs]
 
 
 def linear_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
@@ -287,15 +291,15 @@ swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup_contex
 
 # ---------------------------------------------------------------------------------------------- decode linears
 @torch.library.custom_op(f"{OP_NAMESPACE}::linear_group", mutates_args=())
-def linear_group_op(x: torch.Tensor, weights: list[torch.Tensor],
-                    residual: torch.Tensor | None = None) -> list[torch.Tensor]:
+def linear_group_op(x: torch.Tensor, weights: list[torch.Tensor], residual: torch.Tensor | None = None,
+                    after_decode_attention: bool = False) -> list[torch.Tensor]:
     from .fused_triton import linear_group_fwd
 
-    return linear_group_fwd(x, weights, residual)
+    return linear_group_fwd(x, weights, residual, after_decode_attention=after_decode_attention)
 
 
 @linear_group_op.register_fake
-def _linear_group_fake(x, weights, residual=None):
+def _linear_group_fake(x, weights, residual=None, after_decode_attention=False):
     return [x.new_empty((x.shape[0], w.shape[0])) for w in weights]
 
 

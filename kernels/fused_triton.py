@@ -34,6 +34,7 @@ import torch
 
 from . import hopper_linear
 from .dependent_launch import launch_options, wait_for_preceding_kernel
+from .interface import capturing_cuda_graph
 from .triton_setup import launch_within_shared_memory, next_power_of_2, tl, triton
 
 
@@ -447,17 +448,24 @@ def _dot_precision(x: torch.Tensor) -> str:
 
 
 def linear_group_fwd(x: torch.Tensor, weights: list[torch.Tensor], residual: torch.Tensor | None = None,
-                     tiles: SkinnyTiles | None = None) -> list[torch.Tensor]:
+                     tiles: SkinnyTiles | None = None, after_decode_attention: bool = False) -> list[torch.Tensor]:
     """``[x @ w.T for w in weights]`` (1 to 3 weights ``[N_i, K]``, unit column stride; x ``[M <= 16, K]``); with
     ``residual [M, N_0]`` (unit column stride, one weight), the output is ``residual + x @ w_0.T`` (``_store_tile``).
-    ``tiles`` overrides the default launch shape (``bench/projection_ab.py`` sweeps it)."""
+    ``tiles`` overrides the default launch shape (``bench/projection_ab.py`` sweeps it). ``after_decode_attention``
+    (o_proj): x comes from the decode attention kernel; see below."""
     m, k = x.shape
-    outs = [x.new_empty((m, w.shape[0])) for w in weights]
     # On Hopper, while a CUDA graph is captured (a static cache's decode steps), the Gluon kernel: its producer warp
     # reads the weights 1.1-1.3x faster. Its launch costs ~0.1 ms of host time (Triton binding its arguments and TMA
     # descriptors), which a graph pays once and an eager step at every call (bench/NOTES.md, fifty-ninth session), so
-    # eager calls stay here.
-    if tiles is None and x.is_cuda and torch.cuda.is_current_stream_capturing() and hopper_linear.supported(x, weights):
+    # eager calls stay here. Behind the decode attention kernel (o_proj) only the Gluon kernel beats cuBLAS: this
+    # file's kernel there made the batch-8 step slower, the Gluon kernel faster (bench/NOTES.md, fifty-third,
+    # fifty-seventh and sixtieth sessions), so that call is otherwise nn.Linear's.
+    gluon = tiles is None and capturing_cuda_graph(x) and hopper_linear.supported(x, weights)
+    if after_decode_attention and not gluon:
+        outs = [torch.nn.functional.linear(x, w) for w in weights]  # nn.Linear's call
+        return outs if residual is None else [residual + outs[0]]
+    outs = [x.new_empty((m, w.shape[0])) for w in weights]
+    if gluon:
         hopper_linear.linear_group(x, weights, outs, residual)
         return outs
     tiles = tiles or _default_skinny_tiles(x, loops=len(weights), weights_per_loop=1, max_stages=5)

@@ -4,10 +4,11 @@ Why a second kernel beside ``fused_triton.linear_group_fwd``: a decode step's pr
 to 8 token rows, so they are bound by the weights' bytes, and Triton's pipelined loop of pointer loads reads them at
 0.47-0.58 of the copy bandwidth on an H200 (down 13.4 us for 33.5 MB at 8 tokens). A producer warp keeping the
 tensor-memory-accelerator (TMA) copies of the next steps in flight reads them at 0.55-0.74 (``bench/projection_ab.py``:
-down 10.6 us, q/k/v 5.4 against 5.8-6.2; the 1B hybrid's decode step at batch 8, 32k 1.326 -> 1.241 ms;
-bench/NOTES.md, fifty-ninth session). ``linear_group_fwd`` runs it only while a CUDA graph is captured: a launch
-costs ~0.1 ms of host time (Triton's binding of the call and its TMA descriptors; not profiled on a GPU), which
-a graph pays once and an eager step at every call.
+down 10.6 us, q/k/v 5.4 against 5.8-6.2, o_proj 4.4 against cuBLAS's 6.7; the 1B hybrid's decode step at batch 8,
+32k 1.326 -> 1.241 ms with q/k/v and down, 1.202 ms with o_proj too; bench/NOTES.md, fifty-ninth and sixtieth
+sessions). ``linear_group_fwd`` runs it only while a CUDA graph is captured: a launch costs ~0.1 ms of host time
+(Triton's binding of the call and its TMA descriptors; not profiled on a GPU), which a graph pays once and an eager
+step at every call.
 
 One program = ``BLOCK_N`` rows of one weight (programs ``[0, tiles0)`` the first weight, as ``linear_group_fwd``).
 Partitions:

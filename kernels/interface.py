@@ -360,6 +360,12 @@ def use_triton(backend: str, q: torch.Tensor) -> bool:
     return True
 
 
+def capturing_cuda_graph(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a CUDA tensor and the current stream is capturing a CUDA graph (a static cache's decode
+    step): the launches made now are replayed, so their host time is paid once."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _select_backend(backend: str, q: torch.Tensor):
     """The ``(forward, backward)`` functions of the backend that runs inputs like ``q``."""
     if not use_triton(backend, q):

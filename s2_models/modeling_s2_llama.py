@@ -58,7 +58,7 @@ from .kernels.fused import (
     swiglu,
     use_fused_kernels,
 )
-from .kernels.interface import AUTOCAST_DEVICE_TYPES, dense_attention, s2_attention
+from .kernels.interface import AUTOCAST_DEVICE_TYPES, capturing_cuda_graph, dense_attention, s2_attention
 from .kernels.pattern import S2Pattern, token_mask
 from .static_cache_s2_llama import LENGTH_DEPENDENT_ROPE_TYPES, S2StaticCache
 
@@ -407,7 +407,10 @@ class S2LlamaAttention(nn.Module):
                 ),
                 query_states, key_states, value_states,
             )
-            return self.o_proj(attn_output.transpose(1, 2).reshape(*input_shape, -1)), None
+            attn_output = attn_output.transpose(1, 2).reshape(*input_shape, -1)
+            if self._graphed_decode_step(attn_output):
+                return linear_group(attn_output, [self.o_proj.weight], after_decode_attention=True)[0], None
+            return self.o_proj(attn_output), None
         # ---- end of the compact S2 cache branch
 
         if cache is not None:
@@ -430,6 +433,18 @@ class S2LlamaAttention(nn.Module):
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
+
+    def _graphed_decode_step(self, attn_output: torch.Tensor) -> bool:
+        """Whether o_proj runs as ``linear_group`` behind the decode attention kernel: in a decode step captured as a
+        CUDA graph (the static cache's), where it runs the Gluon projection (1.2-1.24 ms -> 1.20 ms a step at 8 x
+        32k on an H200; bench/NOTES.md, sixtieth session). Elsewhere it would run ``nn.Linear``'s call (see
+        ``fused_triton.linear_group_fwd``), so ``nn.Linear`` is called directly: the custom op would only add its
+        host time to every eager step. Under ``torch.compile`` the capture comes after tracing: ``nn.Linear``."""
+        return (
+            not is_torchdynamo_compiling() and capturing_cuda_graph(attn_output)
+            and use_fused_kernels(self.config.s2_backend, attn_output)
+            and decode_projections_fit(attn_output, (self.o_proj,))
+        )
 
 
 def apply_rotary(query, key, cos, sin, backend: str):

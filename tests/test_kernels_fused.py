@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from s2_models import S2LlamaConfig, S2LlamaForCausalLM
+from s2_models import S2LlamaConfig, S2LlamaForCausalLM, modeling_s2_llama
 from s2_models.kernels.fused import (
     MAX_DECODE_TOKENS,
     add_rms_norm,
@@ -342,6 +342,17 @@ def test_linear_group_residual_is_pytorchs_sum(dtype, tokens):
 
 
 @pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+def test_linear_group_after_decode_attention_is_nn_linear(dtype):
+    """o_proj's call (``after_decode_attention``) outside CUDA graph captures is ``nn.Linear``'s, bit for bit: behind
+    the decode attention kernel only the Gluon kernel inside captures beats cuBLAS (bench/NOTES.md, sixtieth
+    session)."""
+    x = torch.randn(5, 1, 300, dtype=dtype, device=DEVICE)
+    w = torch.randn(70, 300, dtype=dtype, device=DEVICE) / 17
+    with torch.no_grad():
+        assert torch.equal(linear_group(x, [w], after_decode_attention=True)[0], torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
 def test_linear_swiglu_matches_llama_mlp(dtype):
     x = torch.randn(3, 2, 300, dtype=dtype, device=DEVICE)
     w_gate, w_up = (torch.randn(70, 300, dtype=dtype, device=DEVICE) / 17 for _ in "gu")
@@ -552,11 +563,13 @@ def test_model_runs_the_fused_kernels_only_where_triton_runs():
         torch.testing.assert_close(results["triton"][1][name], grad, atol=1e-4, rtol=1e-3, msg=name)
 
 
-def test_generation_runs_the_decode_projections():
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
+def test_generation_runs_the_decode_projections(captured, monkeypatch):
     """Greedy generation with the Triton backend runs the projections of every decode step as the fused launches
-    (per layer: q/k/v, gate/up with SwiGLU, down with the residual; o_proj stays on ``nn.Linear``, bench/NOTES.md,
-    fifty-third session) and gives the tokens of transformers' Llama code. The 20-token prompt is longer than
+    (per layer: q/k/v, gate/up with SwiGLU, down with the residual, and o_proj where the step is being captured as
+    a CUDA graph, faked here) and gives the tokens of transformers' Llama code. The 20-token prompt is longer than
     ``MAX_DECODE_TOKENS``: its forward keeps ``nn.Linear``."""
+    monkeypatch.setattr(modeling_s2_llama, "capturing_cuda_graph", lambda x: captured)
     ids = torch.randint(0, 64, (2, 20), device=DEVICE)
     tokens, recorded_ops = {}, {}
     for backend in ("triton", "torch"):
@@ -566,7 +579,9 @@ def test_generation_runs_the_decode_projections():
         recorded_ops[backend] = collections.Counter(name.split("::")[1] for name in recorded.calls
                                                     if "linear_" in name)
     decode_layer_steps = 5 * 2  # the 5 one-token forwards after the prompt's, 2 layers
-    assert recorded_ops["triton"] == {"linear_group": 2 * decode_layer_steps, "linear_swiglu": decode_layer_steps}
+    launches_a_layer = 3 if captured else 2
+    assert recorded_ops["triton"] == {"linear_group": launches_a_layer * decode_layer_steps,
+                                      "linear_swiglu": decode_layer_steps}
     assert recorded_ops["torch"] == {}
     assert torch.equal(tokens["triton"], tokens["torch"])
 
@@ -677,7 +692,8 @@ def test_hopper_projections_on_the_gpu(dtype):
     """The Gluon projections (``hopper_linear``, which ``linear_group`` runs on sm_90 for up to 8 tokens inside CUDA
     graphs): odd output widths (tiles the weight's rows end inside), widths K that end inside a step or take one
     narrow step, 1 to 3 weights, 1 to 8 tokens, the residual add; within tolerance of PyTorch in float64, every output
-    written (they start as NaN), and ``linear_group`` captured in a graph replays this kernel's outputs bit for bit."""
+    written (they start as NaN); inside a CUDA graph capture ``linear_group`` launches this kernel (q/k/v's call and
+    o_proj's, seen by a recording wrapper) and the graph replays its outputs bit for bit."""
     from s2_models.kernels import hopper_linear
 
     if not hopper_linear.is_sm90(torch.device("cuda")):
@@ -701,11 +717,26 @@ def test_hopper_projections_on_the_gpu(dtype):
                                  lambda x_, w_, r_: r_ + torch.nn.functional.linear(x_, w_), (x, weights[0], residual))
             assert torch.equal(gluon_projections(x, weights[0], residual=residual)[0],
                                residual + gluon_projections(x, weights[0])[0])
-    graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph):
-        captured = linear_group(x, weights)
+    # Inside a capture linear_group launches this kernel, for o_proj's call behind the decode attention kernel too
+    # (the one replacing cuBLAS there): a recording wrapper sees each launch.
+    launches = []
+
+    def recording(*args, **kwargs):
+        launches.append(len(args[1]))
+        return launch_gluon(*args, **kwargs)
+
+    launch_gluon, hopper_linear.linear_group = hopper_linear.linear_group, recording
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph):
+            captured = linear_group(x, weights)
+            after_attention = linear_group(x, weights[:1], after_decode_attention=True)
+    finally:
+        hopper_linear.linear_group = launch_gluon
+    assert launches == [3, 1]
     graph.replay()
     assert all(torch.equal(mine, theirs) for mine, theirs in zip(captured, gluon_projections(x, *weights)))
+    assert torch.equal(after_attention[0], captured[0])
     nine = torch.randn(hopper_linear.MAX_TOKENS + 1, 2048, device="cuda", dtype=dtype)
     assert not hopper_linear.supported(nine, [torch.randn(64, 2048, device="cuda", dtype=dtype)])
 
