@@ -436,8 +436,8 @@ class S2LlamaAttention(nn.Module):
 
     def _graphed_decode_step(self, attn_output: torch.Tensor) -> bool:
         """Whether o_proj runs as ``linear_group`` behind the decode attention kernel: in a decode step captured as a
-        CUDA graph (the static cache's), where it runs the Gluon projection (1.2-1.24 ms -> 1.20 ms a step at 8 x
-        32k on an H200; bench/NOTES.md, sixtieth session). Elsewhere it would run ``nn.Linear``'s call (see
+        CUDA graph (the static cache's), where it runs the Gluon projection on Hopper (the step at 8 x 32k on an H200
+        1.241 -> 1.202 ms; bench/NOTES.md, sixtieth session). Elsewhere it would run ``nn.Linear``'s call (see
         ``fused_triton.linear_group_fwd``), so ``nn.Linear`` is called directly: the custom op would only add its
         host time to every eager step. Under ``torch.compile`` the capture comes after tracing: ``nn.Linear``."""
         return (
