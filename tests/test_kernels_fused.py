@@ -348,8 +348,11 @@ def test_linear_group_after_decode_attention_is_nn_linear(dtype):
     session)."""
     x = torch.randn(5, 1, 300, dtype=dtype, device=DEVICE)
     w = torch.randn(70, 300, dtype=dtype, device=DEVICE) / 17
+    residual = torch.randn(5, 1, 70, dtype=dtype, device=DEVICE)
     with torch.no_grad():
         assert torch.equal(linear_group(x, [w], after_decode_attention=True)[0], torch.nn.functional.linear(x, w))
+        assert torch.equal(linear_group(x, [w], residual=residual, after_decode_attention=True)[0],
+                           residual + torch.nn.functional.linear(x, w))
 
 
 @pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
@@ -636,6 +639,46 @@ def test_fused_generation_gives_llamas_tokens_for_padded_prompts(cache_implement
         "s2::" + name.split("::")[1] for name in recorded.names if "::" in name
     }
     assert torch.equal(ours, llama.generate(ids, **kwargs))
+
+
+@pytest.mark.gpu
+def test_graphed_bf16_generation_is_as_close_to_llama_as_llama_itself():
+    """What serving with the static cache runs: bf16 weights, a left-padded batch of 4 with prompts of 400 to 100
+    real tokens, greedy ``generate(cache_implementation="static")``, whose decode steps are CUDA graphs (on Hopper
+    with the Gluon projections, o_proj's included: a recording wrapper sees its launches). Every step's logits of the
+    all-dense S2 model against transformers' Llama with the same weights in float64 (one forward over the generated
+    sequences): within 2x of Llama's own bf16 error over those sequences."""
+    from s2_models.kernels import hopper_linear
+
+    s2, llama = _dense_s2_and_llama()
+    s2, llama_bf16 = s2.to(torch.bfloat16), copy.deepcopy(llama).to(torch.bfloat16)
+    truth = llama.double()
+    ids, mask = left_padded(batch=4, length=400, pads=(0, 37, 150, 300), device="cuda")
+    launches = []
+
+    def recording(x, weights, *args, **kwargs):
+        launches.append([tuple(w.shape) for w in weights])
+        return launch_gluon(x, weights, *args, **kwargs)
+
+    launch_gluon, hopper_linear.linear_group = hopper_linear.linear_group, recording
+    try:
+        out = s2.generate(ids, attention_mask=mask, cache_implementation="static", max_new_tokens=30,
+                          output_logits=True, return_dict_in_generate=True, do_sample=False, pad_token_id=0,
+                          eos_token_id=None)
+    finally:
+        hopper_linear.linear_group = launch_gluon
+    assert len(out.past_key_values._graphs) == 1  # the decode steps were captured and replayed
+    if hopper_linear.is_sm90(torch.device("cuda")):
+        assert [tuple(s2.model.layers[0].self_attn.o_proj.weight.shape)] in launches
+    full_mask = torch.cat([mask, torch.ones_like(out.sequences[:, ids.shape[1]:])], dim=1)
+    positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+    steps = slice(ids.shape[1] - 1, out.sequences.shape[1] - 1)  # the positions whose logits chose each new token
+    with torch.no_grad():
+        exact = truth(out.sequences, attention_mask=full_mask, position_ids=positions).logits[:, steps]
+        own = llama_bf16(out.sequences, attention_mask=full_mask, position_ids=positions).logits[:, steps]
+    ours = torch.stack(out.logits, dim=1)
+    error, allowed = (ours.double() - exact).abs().max().item(), 2 * (own.double() - exact).abs().max().item()
+    assert error <= allowed + ABS_FLOOR[torch.bfloat16], f"error {error:.3e} > allowed {allowed:.3e}"
 
 
 def test_float64_and_the_torch_backend_never_fuse():
